@@ -1,0 +1,39 @@
+# `make test` on a fresh machine: creates .venv, installs torch (the CPU wheel, alone and
+# first), the project with its extras, builds the native library, then runs the tests.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.installed
+NATIVE := vattn/libvattn_native.so
+
+.PHONY: setup native test lint bench clean
+
+setup: $(STAMP) $(NATIVE)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet $(TORCH)
+	$(PIP) install --quiet -e ".[serving,dev]"
+	touch $@
+
+native: $(NATIVE)
+
+$(NATIVE): native/vattn_native.c
+	cc -O2 -Wall -Wextra -Werror -shared -fPIC -o $@ $<
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: setup
+	$(PY) -m benchmarks.map_bandwidth
+	$(PY) -m benchmarks.step_latency
+
+clean:
+	rm -rf $(VENV) $(NATIVE) .pytest_cache

@@ -1,0 +1,25 @@
+"""Capacity errors a scheduler is expected to catch (queue, preempt, retry)."""
+
+
+class CapacityError(RuntimeError):
+    """The cache cannot take more work right now; nothing was changed."""
+
+
+class OutOfPagesError(CapacityError):
+    """A step needs more physical pages than are free or reclaimable."""
+
+    def __init__(self, needed: int, available: int) -> None:
+        super().__init__(
+            f"step needs {needed} more physical pages but only {available} are free or "
+            "reclaimable; no slot was changed (preempt a request and retry)"
+        )
+        self.needed = needed
+        self.available = available
+
+
+class OutOfSlotsError(CapacityError):
+    """Every request slot (reqid) is in use."""
+
+    def __init__(self, max_slots: int) -> None:
+        super().__init__(f"all {max_slots} request slots are in use; free a reqid first")
+        self.max_slots = max_slots

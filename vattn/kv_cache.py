@@ -1,0 +1,439 @@
+"""The vAttention KV cache: virtually contiguous per-request KV, physical pages on demand."""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from vattn.backends import VMMBackend, make_backend
+from vattn.config import KVCacheConfig, _is_int
+from vattn.errors import OutOfPagesError, OutOfSlotsError
+from vattn.mapper import BackgroundMapper
+from vattn.page_pool import PagePool
+from vattn.stats import CacheStats, MappingCounters
+
+
+class Origin(Enum):
+    """Who mapped a page step, so stats can say whether a need was met ahead of step()."""
+
+    STEP = "step"
+    BACKGROUND = "background"
+    REUSED = "reused"
+
+
+@dataclass
+class Slot:
+    """One request slot (reqid): row `index` of every virtual tensor.
+
+    `pages[k][b]` is the physical page behind page k of virtual tensor b; pages always
+    form a prefix of the slot, so its first `len(pages)` page steps are mapped.
+    """
+
+    index: int
+    active: bool = False
+    length: int = 0
+    """Tokens the last step() guaranteed; views of the slot stop here."""
+    pages: list[list[int]] = field(default_factory=list)
+    origins: list[Origin] = field(default_factory=list)
+
+
+class KVCache:
+    """Per-request KV tensors in reserved address space, backed page by page.
+
+    Reqids are slot indices. `step(seq_lens)` makes every listed request's pages
+    present before the model runs; a background thread maps the next token's pages
+    while the model computes, freed slots keep their pages for the next request, and
+    the slot handed out next is pre-mapped. Views never reach past mapped memory.
+    """
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        self.config = config
+        self.backend: VMMBackend = make_backend(config)
+        self._pool = PagePool(self.backend, config.pool_pages)
+        self._reservation = config.max_slots * config.slot_stride
+        self._bases: list[int] = []
+        try:
+            for _ in range(config.num_buffers):
+                self._bases.append(self.backend.reserve(self._reservation))
+        except BaseException:
+            self._free_address_space()
+            raise
+        self._buffers = [self._virtual_tensor(base) for base in self._bases]
+        self._slots = [Slot(i) for i in range(config.max_slots)]
+        self._lock = threading.Lock()
+        self._counters = MappingCounters()
+        self._closed = False
+        self._mapper = BackgroundMapper(self._work_ahead) if config.background else None
+        self._wake_mapper()
+
+    # ---------------------------------------------------------------- requests
+
+    def alloc_reqid(self) -> int:
+        """Hands out a free slot, preferring one that still has pages mapped."""
+        with self._lock:
+            self._check_open()
+            slot = self._next_free_slot()
+            if slot is None:
+                raise OutOfSlotsError(self.config.max_slots)
+            slot.active, slot.length = True, 0
+        self._wake_mapper()
+        return slot.index
+
+    def free_reqid(self, reqid: int) -> None:
+        """Ends a request; its pages stay mapped for the slot's next request."""
+        with self._lock:
+            self._check_open()
+            slot = self._active_slot(reqid)
+            slot.active, slot.length = False, 0
+            slot.origins = [Origin.REUSED] * len(slot.pages)
+        self._wake_mapper()
+
+    def step(self, seq_lens: Mapping[int, int]) -> None:
+        """Makes sure each listed request has pages for its length before an iteration.
+
+        All or nothing: if the pages cannot be found, raises `OutOfPagesError` and no
+        slot changes, so the caller can preempt a request and try again.
+        """
+        cfg, width = self.config, self.config.num_buffers
+        with self._lock:
+            self._check_open()
+            targets = self._validated_lengths(seq_lens)
+            plan = [(slot, cfg.pages_for(n) - len(slot.pages)) for slot, n in targets]
+            plan = [(slot, missing) for slot, missing in plan if missing > 0]
+            met = [(slot, range(cfg.pages_for(slot.length), min(cfg.pages_for(n), len(slot.pages))))
+                   for slot, n in targets]
+            if plan:
+                keep = {slot.index: cfg.pages_for(n) for slot, n in targets}
+                self._make_room(sum(missing for _, missing in plan) * width, keep)
+                addrs = self._map(plan, Origin.STEP)
+                self._count_populate(*self._populate(addrs))
+            self._count_needs(met, plan)
+            for slot, n in targets:
+                slot.length = n
+        self._wake_mapper()
+
+    # ---------------------------------------------------------------- views
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def kv(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one request in one layer, `[length, kv_heads, head_dim]` views.
+
+        Valid until the request is freed or stepped to a shorter length.
+        """
+        with self._lock:
+            self._check_open()
+            keys, values = self._layer_tensors(layer)
+            slot = self._active_slot(reqid)
+            return keys[slot.index, : slot.length], values[slot.index, : slot.length]
+
+    def kv_batch(self, layer: int, reqids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V `[len(reqids), max length, kv_heads, head_dim]` for padded batched attention.
+
+        Every request must have the padded length mapped (pages are whole, so this holds
+        whenever the lengths share their last page; otherwise step the short ones up).
+        A view when the reqids are consecutive slots, a gather of mapped rows otherwise.
+        """
+        with self._lock:
+            self._check_open()
+            keys, values = self._layer_tensors(layer)
+            if not reqids:
+                raise ValueError("kv_batch needs at least one reqid")
+            slots = [self._active_slot(r) for r in reqids]
+            length = max(slot.length for slot in slots)
+            for slot in slots:
+                mapped = self.config.tokens_in(len(slot.pages))
+                if mapped < length:
+                    raise ValueError(
+                        f"reqid {slot.index} has {mapped} tokens mapped but the batch is padded "
+                        f"to {length}: step it to {length} first"
+                    )
+            first = slots[0].index
+            if [slot.index for slot in slots] == list(range(first, first + len(slots))):
+                rows = slice(first, first + len(slots))
+                return keys[rows, :length], values[rows, :length]
+            index = torch.tensor([slot.index for slot in slots])
+            return keys[:, :length].index_select(0, index), values[:, :length].index_select(0, index)
+
+    def page_table(self, reqid: int) -> list[list[int]]:
+        """Physical pages behind a request: entry k lists page k of each virtual tensor."""
+        with self._lock:
+            self._check_open()
+            return [list(pages) for pages in self._active_slot(reqid).pages]
+
+    # ---------------------------------------------------------------- admission
+
+    def num_free_slots(self) -> int:
+        with self._lock:
+            return sum(not slot.active for slot in self._slots)
+
+    def num_free_pages(self) -> int:
+        """Physical pages mapped nowhere (idle slots' pages are not counted)."""
+        with self._lock:
+            return self._pool.num_free
+
+    def can_admit(self, num_tokens: int) -> bool:
+        """Whether a new request of `num_tokens` could get a reqid and be stepped now."""
+        if not _is_int(num_tokens) or not 0 <= num_tokens <= self.config.max_context:
+            raise ValueError(f"num_tokens must be an integer in [0, {self.config.max_context}], got {num_tokens!r}")
+        with self._lock:
+            self._check_open()
+            slot = self._next_free_slot()
+            if slot is None:
+                return False
+            missing = max(0, self.config.pages_for(num_tokens) - len(slot.pages)) * self.config.num_buffers
+            return missing <= self._available_pages({slot.index: len(slot.pages)})
+
+    # ---------------------------------------------------------------- reporting, lifetime
+
+    def stats(self) -> CacheStats:
+        cfg, width = self.config, self.config.num_buffers
+        with self._lock:
+            active = sum(len(s.pages) for s in self._slots if s.active) * width * cfg.page_size
+            idle = sum(len(s.pages) for s in self._slots if not s.active) * width * cfg.page_size
+            tokens = sum(s.length for s in self._slots if s.active) * cfg.token_bytes * width
+            return CacheStats(
+                page_size=cfg.page_size,
+                pool_pages=self._pool.capacity,
+                mapped_bytes=active + idle,
+                active_bytes=active,
+                idle_bytes=idle,
+                free_bytes=self._pool.num_free * cfg.page_size,
+                token_bytes=tokens,
+                waste_bytes=active + idle - tokens,
+                pages_created=self._pool.num_created,
+                fresh_pages_taken=self._pool.fresh_pages_taken,
+                recycled_pages_taken=self._pool.recycled_pages_taken,
+                pages_per_slot=tuple(len(s.pages) * width for s in self._slots),
+                active_slots=sum(s.active for s in self._slots),
+                counters=copy.copy(self._counters),
+                background_errors=self._mapper.errors if self._mapper else 0,
+            )
+
+    def wait_for_background(self, timeout: float | None = None) -> bool:
+        """Blocks until the background thread has nothing left to map; False on timeout."""
+        return self._mapper.wait_idle(timeout) if self._mapper else True
+
+    def close(self) -> None:
+        """Stops the background thread and frees all address space and physical pages."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._mapper:
+            self._mapper.close()
+        self._buffers.clear()
+        self._free_address_space()
+        self._pool.release_all()
+        self.backend.close()
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- internals
+
+    def _virtual_tensor(self, base: int) -> torch.Tensor:
+        cfg = self.config
+        flat = self.backend.tensor(base, self._reservation).view(cfg.dtype)
+        row = cfg.num_kv_heads * cfg.head_dim
+        if cfg.layout == "per_layer":
+            shape = (cfg.max_slots, cfg.max_context, cfg.num_kv_heads, cfg.head_dim)
+            strides = (cfg.slot_stride // cfg.element_size, row, cfg.head_dim, 1)
+        else:
+            shape = (cfg.max_slots, cfg.max_context, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+            strides = (cfg.slot_stride // cfg.element_size, cfg.num_layers * row, row, cfg.head_dim, 1)
+        return flat.as_strided(shape, strides)
+
+    def _layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not _is_int(layer) or not 0 <= layer < self.config.num_layers:
+            raise ValueError(f"layer must be an integer in [0, {self.config.num_layers}), got {layer!r}")
+        if self.config.layout == "per_layer":
+            return self._buffers[2 * layer], self._buffers[2 * layer + 1]
+        return self._buffers[0][:, :, layer], self._buffers[1][:, :, layer]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this KVCache is closed")
+
+    def _active_slot(self, reqid: int) -> Slot:
+        if not _is_int(reqid) or not 0 <= reqid < self.config.max_slots:
+            raise ValueError(f"reqid must be an integer in [0, {self.config.max_slots}), got {reqid!r}")
+        slot = self._slots[reqid]
+        if not slot.active:
+            raise ValueError(f"reqid {reqid} is not allocated (never handed out, or already freed)")
+        return slot
+
+    def _validated_lengths(self, seq_lens: Mapping[int, int]) -> list[tuple[Slot, int]]:
+        if not isinstance(seq_lens, Mapping):
+            raise ValueError(f"seq_lens must map reqid -> length, got {type(seq_lens).__name__}")
+        targets = []
+        for reqid, length in seq_lens.items():
+            slot = self._active_slot(reqid)
+            if not _is_int(length) or not 0 <= length <= self.config.max_context:
+                raise ValueError(
+                    f"length of reqid {reqid} must be an integer in [0, {self.config.max_context}] "
+                    f"(max_context), got {length!r}"
+                )
+            targets.append((slot, length))
+        return targets
+
+    def _next_free_slot(self) -> Slot | None:
+        """The slot alloc_reqid hands out next: most pages mapped, then lowest index."""
+        free = (slot for slot in self._slots if not slot.active)
+        return max(free, key=lambda slot: (len(slot.pages), -slot.index), default=None)
+
+    def _page_addrs(self, slot: Slot, first: int, count: int) -> list[int]:
+        """Addresses of page steps first..first+count of a slot, page by page, tensor by tensor."""
+        size, row = self.config.page_size, slot.index * self.config.slot_stride
+        return [base + row + k * size for k in range(first, first + count) for base in self._bases]
+
+    def _map(self, plan: list[tuple[Slot, int]], origin: Origin) -> list[int]:
+        """Maps `count` more page steps behind each slot in one batch; returns the addresses."""
+        width = self.config.num_buffers
+        addrs = [a for slot, count in plan for a in self._page_addrs(slot, len(slot.pages), count)]
+        pages = self._pool.take(len(addrs))
+        started = time.perf_counter()
+        try:
+            self.backend.map(addrs, pages)
+        except BaseException:
+            self._pool.give_back(pages)
+            raise
+        self._counters.map_seconds += time.perf_counter() - started
+        self._counters.map_calls += 1
+        self._counters.map_pages += len(pages)
+        taken = iter(pages)
+        for slot, count in plan:
+            for _ in range(count):
+                slot.pages.append([next(taken) for _ in range(width)])
+                slot.origins.append(origin)
+        return addrs
+
+    def _unmap_tail(self, plan: list[tuple[Slot, int]]) -> None:
+        """Unmaps the last `count` page steps of each slot in one batch; pages go back to the pool."""
+        addrs, pages = [], []
+        for slot, count in plan:
+            first = len(slot.pages) - count
+            addrs += self._page_addrs(slot, first, count)
+            pages += [page for step in slot.pages[first:] for page in step]
+        started = time.perf_counter()
+        self.backend.unmap(addrs)
+        self._counters.unmap_seconds += time.perf_counter() - started
+        self._counters.unmap_calls += 1
+        self._counters.unmap_pages += len(pages)
+        for slot, count in plan:
+            del slot.pages[len(slot.pages) - count :]
+            del slot.origins[len(slot.origins) - count :]
+        self._pool.give_back(pages)
+
+    def _populate(self, addrs: list[int]) -> tuple[int, float]:
+        started = time.perf_counter()
+        return self.backend.populate(addrs), time.perf_counter() - started
+
+    def _count_populate(self, pages: int, seconds: float) -> None:
+        self._counters.populate_pages += pages
+        self._counters.populate_seconds += seconds
+
+    def _count_needs(self, met: list[tuple[Slot, range]], plan: list[tuple[Slot, int]]) -> None:
+        counters = self._counters
+        for slot, needed in met:
+            for k in needed:
+                counters.page_needs += 1
+                if slot.origins[k] is Origin.BACKGROUND:
+                    counters.needs_met_by_background += 1
+                else:
+                    counters.needs_met_by_reuse += 1
+        mapped = sum(count for _, count in plan)
+        counters.page_needs += mapped
+        counters.needs_mapped_in_step += mapped
+
+    def _reclaimable(self, keep: Mapping[int, int], include_active: bool) -> list[tuple[Slot, int]]:
+        """Page steps that can go, cheapest loss first: idle slots (the next reqid's last),
+        then active slots' pages past what they need. `keep` overrides what a slot needs."""
+        nxt = self._next_free_slot()
+        idle = sorted((s for s in self._slots if not s.active and s is not nxt), key=lambda s: len(s.pages))
+        order = idle + ([nxt] if nxt else []) + ([s for s in self._slots if s.active] if include_active else [])
+        spare = []
+        for slot in order:
+            need = keep.get(slot.index, self.config.pages_for(slot.length) if slot.active else 0)
+            if len(slot.pages) > need:
+                spare.append((slot, len(slot.pages) - need))
+        return spare
+
+    def _available_pages(self, keep: Mapping[int, int]) -> int:
+        spare = self._reclaimable(keep, include_active=True)
+        return self._pool.num_free + sum(count for _, count in spare) * self.config.num_buffers
+
+    def _make_room(self, needed: int, keep: Mapping[int, int]) -> None:
+        """Frees pages until `needed` are free, or raises OutOfPagesError having changed nothing."""
+        if self._pool.num_free >= needed:
+            return
+        available = self._available_pages(keep)
+        if available < needed:
+            raise OutOfPagesError(needed, available)
+        self._reclaim(needed, self._reclaimable(keep, include_active=True))
+
+    def _reclaim(self, target_free: int, spare: list[tuple[Slot, int]]) -> bool:
+        """Unmaps spare page steps, in order, until the pool has `target_free` pages."""
+        steps = math.ceil((target_free - self._pool.num_free) / self.config.num_buffers)
+        plan = []
+        for slot, count in spare:
+            if steps <= 0:
+                break
+            plan.append((slot, min(count, steps)))
+            steps -= count
+        if plan:
+            self._unmap_tail(plan)
+        return bool(plan)
+
+    def _wake_mapper(self) -> None:
+        if self._mapper:
+            self._mapper.wake()
+
+    def _work_ahead(self) -> bool:
+        """One unit of background work; False when there is nothing left to do."""
+        with self._lock:
+            if self._closed:
+                return False
+            addrs = self._next_unit_ahead()
+        if addrs is None:
+            return False
+        if addrs:  # outside the lock: a page unmapped meanwhile just ends the batch early
+            done = self._populate(addrs)
+            with self._lock:
+                self._count_populate(*done)
+        return True
+
+    def _next_unit_ahead(self) -> list[int] | None:
+        """Under the lock: maps one slot's next pages, or reclaims to the watermark, or
+        pre-maps the next reqid. Returns addresses to populate, or None if idle."""
+        cfg, width = self.config, self.config.num_buffers
+        floor = math.ceil(cfg.reclaim_watermark * self._pool.capacity)
+        for slot in self._slots:
+            if slot.active:
+                missing = cfg.pages_for(min(slot.length + cfg.lookahead_tokens, cfg.max_context)) - len(slot.pages)
+                if missing > 0 and self._pool.num_free >= missing * width:
+                    return self._map([(slot, missing)], Origin.BACKGROUND)
+        if self._pool.num_free < floor and self._reclaim(floor, self._reclaimable({}, include_active=False)):
+            return []
+        nxt = self._next_free_slot()
+        eager = min(cfg.eager_pages, cfg.slot_pages)
+        if nxt and len(nxt.pages) < eager and self._pool.num_free - width >= floor:
+            return self._map([(nxt, 1)], Origin.BACKGROUND)
+        return None
+
+    def _free_address_space(self) -> None:
+        for base in self._bases:
+            self.backend.free_reservation(base, self._reservation)
+        self._bases.clear()

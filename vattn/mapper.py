@@ -1,0 +1,60 @@
+"""The background thread that maps pages ahead of the model (the paper's overlap)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundMapper:
+    """Runs `work` whenever woken until it reports nothing left to do.
+
+    `work` does one small unit (one slot's pages) per call and returns whether it did
+    anything, so a `step()` waiting on the cache lock waits for one unit at most.
+    """
+
+    def __init__(self, work: Callable[[], bool]) -> None:
+        self._work = work
+        self._wake = threading.Condition()
+        self._pending = False
+        self._busy = False
+        self._stopping = False
+        self.errors = 0
+        self._thread = threading.Thread(target=self._run, name="vattn-mapper", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        with self._wake:
+            self._pending = True
+            self._wake.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Blocks until every wake so far has been worked off; False on timeout."""
+        with self._wake:
+            return self._wake.wait_for(lambda: not (self._pending or self._busy), timeout)
+
+    def close(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._pending or self._stopping)
+                if self._stopping:
+                    return
+                self._pending, self._busy = False, True
+            try:
+                while not self._stopping and self._work():
+                    pass
+            except Exception:  # the sync path in step() still guarantees correctness
+                self.errors += 1
+                log.exception("background mapping failed; step() will map synchronously")
+            with self._wake:
+                self._busy = False
+                self._wake.notify_all()
