@@ -1,0 +1,128 @@
+"""Random alloc / step / free sequences with the background thread running, invariants after each."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from vattn import KVCache, KVCacheConfig, OutOfPagesError, OutOfSlotsError
+from vattn.kv_cache import Slot
+
+MAX_SLOTS, MAX_CONTEXT, LAYERS = 6, 200, 3
+operations = 0
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """The model: each live request's length and the token values written to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache: KVCache | None = None
+        self.tokens: dict[int, torch.Tensor] = {}
+
+    @initialize(layout=st.sampled_from(["per_layer", "mega"]), native=st.booleans(), budget_steps=st.integers(8, 40))
+    def open_cache(self, layout: str, native: bool, budget_steps: int) -> None:
+        config = KVCacheConfig(
+            num_layers=LAYERS, num_kv_heads=2, head_dim=16, dtype="float32", max_slots=MAX_SLOTS,
+            max_context=MAX_CONTEXT, page_size=4096, layout=layout, native=native, reclaim_watermark=0.1,
+            memory_budget=budget_steps * (2 * LAYERS if layout == "per_layer" else 2) * 4096,
+        )
+        self.cache = KVCache(config)
+
+    def teardown(self) -> None:
+        if self.cache:
+            self.cache.close()
+
+    @property
+    def live(self) -> list[int]:
+        return sorted(self.tokens)
+
+    @rule()
+    def alloc(self) -> None:
+        global operations
+        operations += 1
+        if len(self.tokens) == MAX_SLOTS:
+            try:
+                self.cache.alloc_reqid()
+                raise AssertionError("alloc_reqid succeeded with every slot in use")
+            except OutOfSlotsError:
+                return
+        reqid = self.cache.alloc_reqid()
+        assert reqid not in self.tokens
+        self.tokens[reqid] = torch.empty(0)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        global operations
+        operations += 1
+        reqid = data.draw(st.sampled_from(self.live))
+        self.cache.free_reqid(reqid)
+        del self.tokens[reqid]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """A prefill chunk, a shrink or a jump for some requests, or one decode token for all."""
+        global operations
+        operations += 1
+        if data.draw(st.booleans()):
+            lengths = {r: min(MAX_CONTEXT, len(self.tokens[r]) + 1) for r in self.live}
+        else:
+            chosen = data.draw(st.lists(st.sampled_from(self.live), min_size=1, unique=True))
+            lengths = {r: data.draw(st.integers(0, MAX_CONTEXT)) for r in chosen}
+        try:
+            self.cache.step(lengths)
+        except OutOfPagesError:
+            return  # the invariants check that nothing changed
+        for reqid, length in lengths.items():
+            old = self.tokens[reqid][:length]
+            new = torch.rand(length - len(old)) + reqid
+            self.tokens[reqid] = torch.cat([old, new])
+            for layer in range(LAYERS):
+                keys, values = self.cache.kv(layer, reqid)
+                keys[len(old) :] = new[:, None, None] + layer
+                values[len(old) :] = -new[:, None, None] - layer
+
+    @rule()
+    def compute(self) -> None:
+        """The model's compute time: the background thread catches up."""
+        assert self.cache.wait_for_background(10)
+
+    @invariant()
+    def pages_are_owned_once_and_data_is_intact(self) -> None:
+        if self.cache is None:
+            return
+        cache, config = self.cache, self.cache.config
+        with cache._lock:
+            slots: list[Slot] = cache._slots
+            mapped = [page for slot in slots for step in slot.pages for page in step]
+            assert len(mapped) == len(set(mapped)), "a physical page is mapped twice"
+            assert len(mapped) + cache._pool.num_free == cache._pool.capacity
+            assert all(len(step) == config.num_buffers for slot in slots for step in slot.pages)
+            assert {slot.index for slot in slots if slot.active} == set(self.tokens)
+            for slot in slots:
+                assert len(slot.origins) == len(slot.pages)
+                if slot.active:
+                    assert slot.length == len(self.tokens[slot.index])
+                    assert config.pages_for(slot.length) <= len(slot.pages)
+        stats = cache.stats()
+        assert stats.mapped_bytes + stats.free_bytes == config.pool_pages * config.page_size
+        assert stats.token_bytes + stats.waste_bytes == stats.mapped_bytes
+        for reqid, tokens in self.tokens.items():
+            for layer in range(LAYERS):
+                keys, values = cache.kv(layer, reqid)
+                assert torch.equal(keys, (tokens + layer)[:, None, None].expand_as(keys))
+                assert torch.equal(values, (-tokens - layer)[:, None, None].expand_as(values))
+
+
+def test_random_operations_keep_the_invariants() -> None:
+    run_state_machine_as_test(
+        CacheMachine,
+        settings=settings(
+            max_examples=100, stateful_step_count=60, deadline=None, suppress_health_check=list(HealthCheck)
+        ),
+    )
+    assert operations >= 2000, f"only {operations} operations ran"
