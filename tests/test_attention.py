@@ -57,7 +57,7 @@ def test_batched_decode_with_grouped_kv_heads(make_cache: MakeCache, consecutive
     cache = make_cache()
     generator = torch.Generator().manual_seed(1)
     reqids = [cache.alloc_reqid() for _ in range(6)]
-    lengths = dict(zip(reqids, [57, 64, 33, 60, 41, 50]))  # all within two 32-token pages
+    lengths = dict(zip(reqids, [57, 64, 33, 60, 41, 50], strict=True))  # all within two 32-token pages
     fill(cache, lengths, generator)
     batch = reqids[1:5] if consecutive else [reqids[4], reqids[0], reqids[2]]
     lens = torch.tensor([lengths[r] for r in batch])

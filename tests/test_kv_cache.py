@@ -90,8 +90,14 @@ def rss_shmem() -> int:
 def test_memory_is_on_demand(native: bool) -> None:
     """64 slots x 8K context x 30 layers reserve 15 GiB and cost nothing until pages are mapped."""
     config = KVCacheConfig(
-        num_layers=30, num_kv_heads=3, head_dim=64, max_slots=64, max_context=8192,
-        dtype="float16", background=False, native=native,
+        num_layers=30,
+        num_kv_heads=3,
+        head_dim=64,
+        max_slots=64,
+        max_context=8192,
+        dtype="float16",
+        background=False,
+        native=native,
     )
     before = rss_shmem()
     with KVCache(config) as cache:
@@ -190,7 +196,7 @@ def test_kv_batch_is_a_view_for_consecutive_slots_and_refuses_unmapped_padding(m
     cache = make_cache()
     a, b, c = (cache.alloc_reqid() for _ in range(3))
     cache.step({a: 10, b: 30, c: 20})
-    keys, values = cache.kv_batch(1, [a, b, c])
+    keys, _ = cache.kv_batch(1, [a, b, c])
     assert keys.shape == (3, 30, 2, 16) and keys.data_ptr() == cache.kv(1, a)[0].data_ptr()
     gathered, _ = cache.kv_batch(1, [c, a])
     assert gathered.shape == (2, 20, 2, 16)
@@ -259,7 +265,7 @@ def test_unknown_backend_and_page_size_and_map_count_are_refused() -> None:
     with pytest.raises(ValueError, match="multiple of the OS page size"):
         KVCache(KVCacheConfig(**shape, page_size=6000))
     huge = {**shape, "max_slots": 256, "max_context": 32768, "num_layers": 30, "page_size": 4096}
-    with pytest.raises(ValueError, match="vm.max_map_count"):
+    with pytest.raises(ValueError, match=r"vm\.max_map_count"):
         KVCache(KVCacheConfig(**huge))
     KVCache(KVCacheConfig(**huge, memory_budget=64 << 20)).close()  # fine with a bounded pool
 

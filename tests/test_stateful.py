@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from vattn import KVCache, KVCacheConfig, OutOfPagesError, OutOfSlotsError
 from vattn.kv_cache import Slot
@@ -25,8 +32,16 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(layout=st.sampled_from(["per_layer", "mega"]), native=st.booleans(), budget_steps=st.integers(8, 40))
     def open_cache(self, layout: str, native: bool, budget_steps: int) -> None:
         config = KVCacheConfig(
-            num_layers=LAYERS, num_kv_heads=2, head_dim=16, dtype="float32", max_slots=MAX_SLOTS,
-            max_context=MAX_CONTEXT, page_size=4096, layout=layout, native=native, reclaim_watermark=0.1,
+            num_layers=LAYERS,
+            num_kv_heads=2,
+            head_dim=16,
+            dtype="float32",
+            max_slots=MAX_SLOTS,
+            max_context=MAX_CONTEXT,
+            page_size=4096,
+            layout=layout,
+            native=native,
+            reclaim_watermark=0.1,
             memory_budget=budget_steps * (2 * LAYERS if layout == "per_layer" else 2) * 4096,
         )
         self.cache = KVCache(config)

@@ -107,8 +107,9 @@ class KVCache:
             targets = self._validated_lengths(seq_lens)
             plan = [(slot, cfg.pages_for(n) - len(slot.pages)) for slot, n in targets]
             plan = [(slot, missing) for slot, missing in plan if missing > 0]
-            met = [(slot, range(cfg.pages_for(slot.length), min(cfg.pages_for(n), len(slot.pages))))
-                   for slot, n in targets]
+            met = [
+                (slot, range(cfg.pages_for(slot.length), min(cfg.pages_for(n), len(slot.pages)))) for slot, n in targets
+            ]
             if plan:
                 keep = {slot.index: cfg.pages_for(n) for slot, n in targets}
                 self._make_room(sum(missing for _, missing in plan) * width, keep)

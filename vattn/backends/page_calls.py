@@ -29,9 +29,7 @@ NATIVE_LIBRARY = Path(__file__).resolve().parent.parent / "libvattn_native.so"
 class PageCalls(Protocol):
     name: str
 
-    def map_pages(
-        self, fd: int, addrs: Sequence[int], offsets: Sequence[int], page_size: int
-    ) -> tuple[int, int]: ...
+    def map_pages(self, fd: int, addrs: Sequence[int], offsets: Sequence[int], page_size: int) -> tuple[int, int]: ...
 
     def unmap_pages(self, addrs: Sequence[int], page_size: int, flags: int) -> tuple[int, int]: ...
 
@@ -42,7 +40,12 @@ def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [
-        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
     ]
     libc.munmap.restype = ctypes.c_int
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -69,11 +72,9 @@ class CtypesPageCalls:
 
     name = "ctypes"
 
-    def map_pages(
-        self, fd: int, addrs: Sequence[int], offsets: Sequence[int], page_size: int
-    ) -> tuple[int, int]:
+    def map_pages(self, fd: int, addrs: Sequence[int], offsets: Sequence[int], page_size: int) -> tuple[int, int]:
         flags = MAP_SHARED | MAP_FIXED
-        for i, (addr, offset) in enumerate(zip(addrs, offsets)):
+        for i, (addr, offset) in enumerate(zip(addrs, offsets, strict=True)):
             if LIBC.mmap(addr, page_size, PROT_READ_WRITE, flags, fd, offset) in (None, MAP_FAILED):
                 return i, ctypes.get_errno()
         return len(addrs), 0
@@ -107,9 +108,7 @@ class NativePageCalls:
         lib.vattn_populate_pages.argtypes = [ctypes.c_long, u64p, ctypes.c_uint64, errp]
         self._lib = lib
 
-    def map_pages(
-        self, fd: int, addrs: Sequence[int], offsets: Sequence[int], page_size: int
-    ) -> tuple[int, int]:
+    def map_pages(self, fd: int, addrs: Sequence[int], offsets: Sequence[int], page_size: int) -> tuple[int, int]:
         err = ctypes.c_int(0)
         done = self._lib.vattn_map_pages(
             fd, len(addrs), _u64_array(addrs), _u64_array(offsets), page_size, ctypes.byref(err)
