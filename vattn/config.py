@@ -78,7 +78,7 @@ class KVCacheConfig:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def num_buffers(self) -> int:

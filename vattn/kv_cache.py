@@ -417,15 +417,20 @@ class KVCache:
         return True
 
     def _next_unit_ahead(self) -> list[int] | None:
-        """Under the lock: maps one slot's next pages, or reclaims to the watermark, or
-        pre-maps the next reqid. Returns addresses to populate, or None if idle."""
+        """Under the lock: maps every active slot's next pages in one batch, or reclaims to
+        the watermark, or pre-maps the next reqid. Returns addresses to populate, or None."""
         cfg, width = self.config, self.config.num_buffers
         floor = math.ceil(cfg.reclaim_watermark * self._pool.capacity)
+        plan, budget = [], self._pool.num_free
         for slot in self._slots:
             if slot.active:
-                missing = cfg.pages_for(min(slot.length + cfg.lookahead_tokens, cfg.max_context)) - len(slot.pages)
-                if missing > 0 and self._pool.num_free >= missing * width:
-                    return self._map([(slot, missing)], Origin.BACKGROUND)
+                ahead = min(slot.length + cfg.lookahead_tokens, cfg.max_context)
+                missing = cfg.pages_for(ahead) - len(slot.pages)
+                if 0 < missing * width <= budget:
+                    plan.append((slot, missing))
+                    budget -= missing * width
+        if plan:
+            return self._map(plan, Origin.BACKGROUND)
         if self._pool.num_free < floor and self._reclaim(floor, self._reclaimable({}, include_active=False)):
             return []
         nxt = self._next_free_slot()

@@ -12,8 +12,8 @@ log = logging.getLogger(__name__)
 class BackgroundMapper:
     """Runs `work` whenever woken until it reports nothing left to do.
 
-    `work` does one small unit (one slot's pages) per call and returns whether it did
-    anything, so a `step()` waiting on the cache lock waits for one unit at most.
+    `work` does one bounded unit (one batch of map calls) per call and returns whether it did
+    anything, so a `step()` waiting on the cache lock waits for one batch at most.
     """
 
     def __init__(self, work: Callable[[], bool]) -> None:
