@@ -1,0 +1,1 @@
+"""Benchmarks of the vattn allocator: mapping bandwidth and step() latency (`make bench`)."""
