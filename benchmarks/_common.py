@@ -119,6 +119,16 @@ def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
         writer.writerows(rows)
 
 
+def save_figure(fig: Any, path: Path, title: str) -> None:
+    """Titles, lays out, writes (PNG, 120 dpi) and closes a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_json(path: Path, payload: Mapping[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")

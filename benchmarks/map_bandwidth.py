@@ -37,6 +37,7 @@ from benchmarks._common import (
     command_line,
     machine_facts,
     prewarm_memory,
+    save_figure,
     write_csv,
     write_json,
 )
@@ -231,22 +232,15 @@ def plot(
             if not rows:
                 continue
             xs = [r["page_size"] for r in rows]
-            ax.plot(
-                xs,
-                [r["gbps"] for r in rows],
-                styles[mode],
-                marker="o",
-                color=colors[path_name],
-                label=f"{path_name}, {mode}: map+populate",
-            )
-            ax_lat.plot(
-                xs,
-                [r["map_us_per_page"] for r in rows],
-                styles[mode],
-                marker="o",
-                color=colors[path_name],
-                label=f"{path_name}, {mode}",
-            )
+            for axis, key, suffix in ((ax, "gbps", ": map+populate"), (ax_lat, "map_us_per_page", "")):
+                axis.plot(
+                    xs,
+                    [r[key] for r in rows],
+                    styles[mode],
+                    marker="o",
+                    color=colors[path_name],
+                    label=f"{path_name}, {mode}{suffix}",
+                )
     largest = fills[max(fills, key=int)]
     fill_lines = (
         ("fill_faulted_gbps", f"fill_ faulted memory, {threads} threads", "tab:green", ":"),
@@ -272,10 +266,7 @@ def plot(
     ax_lat.set_ylabel("us per page (map call only)")
     ax_lat.set_title("map latency per page")
     ax_lat.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -44,6 +44,7 @@ from benchmarks._common import (
     machine_facts,
     percentiles,
     prewarm_memory,
+    save_figure,
     write_csv,
     write_json,
 )
@@ -278,10 +279,7 @@ def plot(rows: list[dict[str, Any]], summaries: dict[str, dict[str, Any]], path:
     ax.set_title("step() latency per iteration: synchronous mapping vs background thread (dashed: p99)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
