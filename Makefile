@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 native: $(NATIVE)
 
 $(NATIVE): native/vattn_native.c
-	cc -O2 -Wall -Wextra -Werror -shared -fPIC -o $@ $<
+	cc -O2 -Wall -Wextra -Werror -shared -fPIC -o $@ $< -ldl -lpthread
 
 test: setup
 	$(PY) -m pytest -q

@@ -7,24 +7,12 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from checks import reference_attention
 
 from vattn import KVCache
 
 MakeCache = Callable[..., KVCache]
 QUERY_HEADS = 8  # 4 query heads per KV head (grouped-query attention)
-
-
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Attention in float64 on ordinary contiguous tensors: q [Hq, Lq, D], k/v [L, Hkv, D]."""
-    q, k, v = q.double(), k.double().transpose(0, 1), v.double().transpose(0, 1)
-    groups = q.shape[0] // k.shape[0]
-    k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
-    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    if causal:  # query i sits at position L - Lq + i
-        offset = k.shape[1] - q.shape[1]
-        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril(offset)
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return scores.softmax(-1) @ v
 
 
 def fill(cache: KVCache, lengths: dict[int, int], generator: torch.Generator) -> None:

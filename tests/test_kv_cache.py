@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from checks import check_page_sharing
 
 from vattn import KVCache, KVCacheConfig, OutOfPagesError, OutOfSlotsError
 from vattn.backends import page_calls
@@ -282,6 +283,14 @@ def test_failed_batch_map_is_rolled_back(native: bool) -> None:
         assert backend.populate([base]) == 1
     finally:
         backend.free_reservation(base, 4 * 4096)
+        backend.close()
+
+
+def test_a_page_can_be_mapped_at_two_addresses(native: bool) -> None:
+    backend = HostBackend(page_size=4096, max_pages=4, reservations=2, native=native)
+    try:
+        check_page_sharing(backend)
+    finally:
         backend.close()
 
 

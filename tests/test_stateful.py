@@ -17,12 +17,17 @@ from hypothesis.stateful import (
 from vattn import KVCache, KVCacheConfig, OutOfPagesError, OutOfSlotsError
 from vattn.kv_cache import Slot
 
-MAX_SLOTS, MAX_CONTEXT, LAYERS = 6, 200, 3
+MAX_SLOTS, LAYERS = 6, 3
 operations = 0
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """The model: each live request's length and the token values written to it."""
+    """The model: each live request's length and the token values written to it.
+
+    The class attributes pick the backend and a geometry where a page holds 32 tokens.
+    """
+
+    backend, page_size, kv_heads, head_dim, max_context = "host", 4096, 2, 16, 200
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,16 +38,17 @@ class CacheMachine(RuleBasedStateMachine):
     def open_cache(self, layout: str, native: bool, budget_steps: int) -> None:
         config = KVCacheConfig(
             num_layers=LAYERS,
-            num_kv_heads=2,
-            head_dim=16,
+            num_kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
             dtype="float32",
             max_slots=MAX_SLOTS,
-            max_context=MAX_CONTEXT,
-            page_size=4096,
+            max_context=self.max_context,
+            page_size=self.page_size,
+            backend=self.backend,
             layout=layout,
             native=native,
             reclaim_watermark=0.1,
-            memory_budget=budget_steps * (2 * LAYERS if layout == "per_layer" else 2) * 4096,
+            memory_budget=budget_steps * (2 * LAYERS if layout == "per_layer" else 2) * self.page_size,
         )
         self.cache = KVCache(config)
 
@@ -66,7 +72,7 @@ class CacheMachine(RuleBasedStateMachine):
                 return
         reqid = self.cache.alloc_reqid()
         assert reqid not in self.tokens
-        self.tokens[reqid] = torch.empty(0)
+        self.tokens[reqid] = torch.empty(0, device=self.cache.device)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -84,17 +90,17 @@ class CacheMachine(RuleBasedStateMachine):
         global operations
         operations += 1
         if data.draw(st.booleans()):
-            lengths = {r: min(MAX_CONTEXT, len(self.tokens[r]) + 1) for r in self.live}
+            lengths = {r: min(self.max_context, len(self.tokens[r]) + 1) for r in self.live}
         else:
             chosen = data.draw(st.lists(st.sampled_from(self.live), min_size=1, unique=True))
-            lengths = {r: data.draw(st.integers(0, MAX_CONTEXT)) for r in chosen}
+            lengths = {r: data.draw(st.integers(0, self.max_context)) for r in chosen}
         try:
             self.cache.step(lengths)
         except OutOfPagesError:
             return  # the invariants check that nothing changed
         for reqid, length in lengths.items():
             old = self.tokens[reqid][:length]
-            new = torch.rand(length - len(old)) + reqid
+            new = torch.rand(length - len(old), device=self.cache.device) + reqid
             self.tokens[reqid] = torch.cat([old, new])
             for layer in range(LAYERS):
                 keys, values = self.cache.kv(layer, reqid)
@@ -133,11 +139,17 @@ class CacheMachine(RuleBasedStateMachine):
                 assert torch.equal(values, (-tokens - layer)[:, None, None].expand_as(values))
 
 
-def test_random_operations_keep_the_invariants() -> None:
+def run_machine(machine: type[CacheMachine], examples: int, steps: int, min_operations: int) -> None:
+    global operations
+    operations = 0
     run_state_machine_as_test(
-        CacheMachine,
+        machine,
         settings=settings(
-            max_examples=100, stateful_step_count=60, deadline=None, suppress_health_check=list(HealthCheck)
+            max_examples=examples, stateful_step_count=steps, deadline=None, suppress_health_check=list(HealthCheck)
         ),
     )
-    assert operations >= 2000, f"only {operations} operations ran"
+    assert operations >= min_operations, f"only {operations} operations ran"
+
+
+def test_random_operations_keep_the_invariants() -> None:
+    run_machine(CacheMachine, examples=100, steps=60, min_operations=2000)

@@ -1,4 +1,4 @@
-"""Capacity errors a scheduler is expected to catch (queue, preempt, retry)."""
+"""Errors callers handle: capacity (queue, preempt, retry) and features missing on this machine."""
 
 
 class CapacityError(RuntimeError):
@@ -23,3 +23,7 @@ class OutOfSlotsError(CapacityError):
     def __init__(self, max_slots: int) -> None:
         super().__init__(f"all {max_slots} request slots are in use; free a reqid first")
         self.max_slots = max_slots
+
+
+class UnavailableError(RuntimeError):
+    """A backend or kernel was asked for whose library or device is missing here."""

@@ -66,6 +66,7 @@ class KVCache:
             self._free_address_space()
             raise
         self._buffers = [self._virtual_tensor(base) for base in self._bases]
+        self.device = self._buffers[0].device
         self._slots = [Slot(i) for i in range(config.max_slots)]
         self._lock = threading.Lock()
         self._counters = MappingCounters()
@@ -162,8 +163,25 @@ class KVCache:
             if [slot.index for slot in slots] == list(range(first, first + len(slots))):
                 rows = slice(first, first + len(slots))
                 return keys[rows, :length], values[rows, :length]
-            index = torch.tensor([slot.index for slot in slots])
+            index = torch.tensor([slot.index for slot in slots], device=keys.device)
             return keys[:, :length].index_select(0, index), values[:, :length].index_select(0, index)
+
+    def lengths(self, reqids: Sequence[int]) -> list[int]:
+        """Tokens the last step() guaranteed for each request: all that attention may read."""
+        with self._lock:
+            self._check_open()
+            return [self._active_slot(reqid).length for reqid in reqids]
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's whole K and V virtual tensors, `[max_slots, max_context, kv_heads, head_dim]`.
+
+        For attention kernels (`vattn.kernels`), which index rows by reqid and bound every
+        access by `lengths()`: anything past a slot's length may be unmapped, and touching it
+        kills the process on the host and faults the GPU.
+        """
+        with self._lock:
+            self._check_open()
+            return self._layer_tensors(layer)
 
     def page_table(self, reqid: int) -> list[list[int]]:
         """Physical pages behind a request: entry k lists page k of each virtual tensor."""
@@ -233,6 +251,9 @@ class KVCache:
         if self._mapper:
             self._mapper.close()
         self._buffers.clear()
+        mapped = [(slot, len(slot.pages)) for slot in self._slots if slot.pages]
+        if mapped:
+            self._unmap_tail(mapped)
         self._free_address_space()
         self._pool.release_all()
         self.backend.close()

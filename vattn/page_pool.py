@@ -34,12 +34,10 @@ class PagePool:
         if count > self.num_free:
             raise ValueError(f"asked for {count} pages, {self.num_free} free")
         recycled = min(count, len(self._recycled))
-        pages = self._recycled[len(self._recycled) - recycled :]
+        fresh = self._backend.create_pages(count - recycled) if count > recycled else []
+        self._created.extend(fresh)  # created first: if creating fails, nothing was taken
+        pages = self._recycled[len(self._recycled) - recycled :] + fresh
         del self._recycled[len(self._recycled) - recycled :]
-        if count > recycled:
-            fresh = self._backend.create_pages(count - recycled)
-            self._created.extend(fresh)
-            pages.extend(fresh)
         self.recycled_pages_taken += recycled
         self.fresh_pages_taken += count - recycled
         return pages

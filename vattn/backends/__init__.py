@@ -5,7 +5,7 @@ from __future__ import annotations
 from vattn.backends.base import VMMBackend
 from vattn.config import KVCacheConfig
 
-BACKENDS = ("host",)
+BACKENDS = ("host", "cuda")
 
 
 def make_backend(config: KVCacheConfig) -> VMMBackend:
@@ -13,6 +13,10 @@ def make_backend(config: KVCacheConfig) -> VMMBackend:
         from vattn.backends.host import HostBackend
 
         return HostBackend(config.page_size, config.pool_pages, config.num_buffers, config.native)
+    if config.backend == "cuda":
+        from vattn.backends.cuda import CudaBackend
+
+        return CudaBackend(config.page_size, config.pool_pages, config.native)
     raise ValueError(f"unknown backend {config.backend!r}; available: {', '.join(BACKENDS)}")
 
 

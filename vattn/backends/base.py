@@ -25,7 +25,7 @@ class VMMBackend(ABC):
 
     @abstractmethod
     def free_reservation(self, addr: int, nbytes: int) -> None:
-        """Gives a reservation (and whatever is still mapped in it) back."""
+        """Gives a reservation back; every page mapped in it must have been unmapped."""
 
     @abstractmethod
     def create_pages(self, count: int) -> list[int]:
@@ -52,7 +52,10 @@ class VMMBackend(ABC):
 
     @abstractmethod
     def tensor(self, addr: int, nbytes: int) -> torch.Tensor:
-        """A flat uint8 tensor over `nbytes` at `addr`, sharing the memory (no copy)."""
+        """A flat uint8 tensor over `nbytes` of reserved, not yet mapped, address space (no copy).
+
+        Pages mapped there later show through; touching the rest faults.
+        """
 
     @abstractmethod
     def close(self) -> None:

@@ -111,22 +111,22 @@ class NativePageCalls:
     def map_pages(self, fd: int, addrs: Sequence[int], offsets: Sequence[int], page_size: int) -> tuple[int, int]:
         err = ctypes.c_int(0)
         done = self._lib.vattn_map_pages(
-            fd, len(addrs), _u64_array(addrs), _u64_array(offsets), page_size, ctypes.byref(err)
+            fd, len(addrs), u64_array(addrs), u64_array(offsets), page_size, ctypes.byref(err)
         )
         return done, err.value
 
     def unmap_pages(self, addrs: Sequence[int], page_size: int, flags: int) -> tuple[int, int]:
         err = ctypes.c_int(0)
-        done = self._lib.vattn_unmap_pages(len(addrs), _u64_array(addrs), page_size, flags, ctypes.byref(err))
+        done = self._lib.vattn_unmap_pages(len(addrs), u64_array(addrs), page_size, flags, ctypes.byref(err))
         return done, err.value
 
     def populate_pages(self, addrs: Sequence[int], page_size: int) -> tuple[int, int]:
         err = ctypes.c_int(0)
-        done = self._lib.vattn_populate_pages(len(addrs), _u64_array(addrs), page_size, ctypes.byref(err))
+        done = self._lib.vattn_populate_pages(len(addrs), u64_array(addrs), page_size, ctypes.byref(err))
         return done, err.value
 
 
-def _u64_array(values: Sequence[int]) -> ctypes.Array[ctypes.c_uint64]:
+def u64_array(values: Sequence[int]) -> ctypes.Array[ctypes.c_uint64]:
     return (ctypes.c_uint64 * len(values))(*values)
 
 

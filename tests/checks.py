@@ -1,0 +1,93 @@
+"""Checks shared by the CPU and GPU tests: reference attention, a kernel run, page sharing."""
+
+from __future__ import annotations
+
+import torch
+
+from vattn import KVCache
+from vattn.backends import VMMBackend
+from vattn.kernels import make_kernel
+
+ITERATIONS: list[dict[str, int]] = [
+    {"a": 40, "b": 69, "c": 33},  # whole prompts, and c's first prefill chunk
+    {"a": 1, "b": 1, "c": 20},  # decodes sharing an iteration with c's second chunk
+    {"a": 1, "b": 1, "c": 1},  # a pure decode batch
+    {"b": 1, "c": 1},  # a left the batch
+]
+"""New tokens per request and iteration; lengths cross several 32-token pages."""
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Attention in float64 on ordinary contiguous tensors: q [Hq, Lq, D], k/v [L, Hkv, D]."""
+    q, k, v = q.double(), k.double().transpose(0, 1), v.double().transpose(0, 1)
+    groups = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:  # query i sits at position L - Lq + i
+        offset = k.shape[1] - q.shape[1]
+        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril(offset)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def check_kernel(
+    name: str,
+    cache: KVCache,
+    query_heads: int,
+    tolerance: float,
+    iterations: list[dict[str, int]] = ITERATIONS,
+    seed: int = 0,
+) -> None:
+    """Runs `iterations` through kernel `name` on `cache` and checks every layer's output and
+    stored K/V against float64 attention over the whole history, which the test keeps."""
+    cfg, device = cache.config, cache.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    kernel = make_kernel(name, cache, query_heads)
+    reqids = {request: cache.alloc_reqid() for request in iterations[0]}
+    history: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    lengths = dict.fromkeys(reqids, 0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(cfg.dtype)
+
+    for new_tokens in iterations:
+        names = list(new_tokens)
+        for request, new in new_tokens.items():
+            lengths[request] += new
+        cache.step({reqids[r]: lengths[r] for r in names})
+        batch = kernel.plan([reqids[r] for r in names], [new_tokens[r] for r in names])
+        total = sum(new_tokens.values())
+        for layer in range(cfg.num_layers):
+            q = rand(total, query_heads, cfg.head_dim)
+            k, v = rand(total, cfg.num_kv_heads, cfg.head_dim), rand(total, cfg.num_kv_heads, cfg.head_dim)
+            out = kernel.forward(layer, batch, q, k, v)
+            assert out.shape == q.shape and out.dtype == cfg.dtype
+            for i, request in enumerate(names):
+                rows = slice(batch.starts[i], batch.starts[i + 1])
+                old_k, old_v = history.get((request, layer), (k[:0], v[:0]))
+                full_k, full_v = torch.cat([old_k, k[rows]]), torch.cat([old_v, v[rows]])
+                history[(request, layer)] = (full_k, full_v)
+                stored_k, stored_v = cache.kv(layer, reqids[request])
+                assert torch.equal(stored_k, full_k) and torch.equal(stored_v, full_v), f"{request} K/V not stored"
+                expected = reference_attention(q[rows].transpose(0, 1), full_k, full_v, causal=True)
+                torch.testing.assert_close(out[rows].transpose(0, 1).double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def check_page_sharing(backend: VMMBackend) -> None:
+    """One physical page mapped at two addresses (as prefix caching will): writes through one
+    mapping read back through the other, and unmapping one leaves the other intact."""
+    size = backend.page_size
+    first, second = backend.reserve(2 * size), backend.reserve(2 * size)
+    (page,) = backend.create_pages(1)
+    try:
+        writer, reader = backend.tensor(first + size, size), backend.tensor(second, size)
+        backend.map([first + size, second], [page, page])
+        writer.copy_(torch.arange(size, device=writer.device, dtype=torch.int64).remainder(251).to(torch.uint8))
+        assert torch.equal(reader, writer)
+        backend.unmap([first + size])
+        assert int(reader[1000]) == 1000 % 251
+        backend.unmap([second])
+    finally:
+        backend.release_pages([page])
+        backend.free_reservation(first, 2 * size)
+        backend.free_reservation(second, 2 * size)

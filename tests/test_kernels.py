@@ -1,0 +1,94 @@
+"""Attention kernels on the virtual tensors: SDPA here, the GPU kernels' clean refusal without a GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from checks import check_kernel
+
+from vattn import KVCache, KVCacheConfig, UnavailableError
+from vattn.backends.cuda_calls import NativeCudaCalls
+from vattn.backends.page_calls import native_available
+from vattn.kernels import KERNELS, make_kernel
+
+MakeCache = Callable[..., KVCache]
+GPU_KERNELS = [name for name in KERNELS if name != "sdpa"]
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "mega"])
+def test_sdpa_kernel_matches_reference_through_chunked_prefill_and_decode(make_cache: MakeCache, layout: str) -> None:
+    check_kernel("sdpa", make_cache(layout=layout), query_heads=8, tolerance=1e-5)
+
+
+def test_sdpa_kernel_in_half_precision(make_cache: MakeCache) -> None:
+    check_kernel("sdpa", make_cache(dtype="bfloat16"), query_heads=4, tolerance=2e-2)
+
+
+def test_plan_refuses_what_step_did_not_guarantee(make_cache: MakeCache) -> None:
+    cache = make_cache()
+    kernel = make_kernel("sdpa", cache, num_query_heads=4)
+    a, b = cache.alloc_reqid(), cache.alloc_reqid()
+    cache.step({a: 10, b: 3})
+    with pytest.raises(ValueError, match=r"new tokens must be an integer in \[1, 3\]"):
+        kernel.plan([a, b], [1, 4])
+    with pytest.raises(ValueError, match="new tokens"):
+        kernel.plan([a], [0])
+    with pytest.raises(ValueError, match="distinct"):
+        kernel.plan([a, a], [1, 1])
+    with pytest.raises(ValueError, match="one new-token count per reqid"):
+        kernel.plan([a, b], [1])
+    with pytest.raises(ValueError, match="one new-token count per reqid"):
+        kernel.plan([], [])
+    cache.free_reqid(b)
+    with pytest.raises(ValueError, match="not allocated"):
+        kernel.plan([b], [1])
+
+
+def test_forward_checks_shapes_dtype_and_device(make_cache: MakeCache) -> None:
+    cache = make_cache()
+    kernel = make_kernel("sdpa", cache, num_query_heads=4)
+    reqid = cache.alloc_reqid()
+    cache.step({reqid: 5})
+    batch = kernel.plan([reqid], [5])
+    q, kv = torch.zeros(5, 4, 16), torch.zeros(5, 2, 16)
+    with pytest.raises(ValueError, match=r"q must be torch.float32 \[5, 4, 16\]"):
+        kernel.forward(0, batch, q[:4], kv, kv)
+    with pytest.raises(ValueError, match=r"k must be torch.float32 \[5, 2, 16\]"):
+        kernel.forward(0, batch, q, kv.double(), kv)
+    with pytest.raises(ValueError, match="layer must be an integer"):
+        kernel.forward(9, batch, q, kv, kv)
+    assert kernel.forward(0, batch, q, kv, kv).shape == (5, 4, 16)
+
+
+def test_kernel_names_and_head_counts(make_cache: MakeCache) -> None:
+    cache = make_cache()
+    with pytest.raises(ValueError, match="unknown attention kernel 'nope'; available: sdpa, flash_attn"):
+        make_kernel("nope", cache, 4)
+    with pytest.raises(ValueError, match="positive multiple of num_kv_heads"):
+        make_kernel("sdpa", cache, 3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.parametrize("name", GPU_KERNELS)
+def test_gpu_kernels_refuse_a_host_cache_clearly(make_cache: MakeCache, name: str) -> None:
+    with pytest.raises(UnavailableError, match=f"the {name} kernel runs on a GPU"):
+        make_kernel(name, make_cache(), 4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_cuda_backend_refuses_clearly_without_a_gpu() -> None:
+    config = KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, max_slots=2, max_context=64, backend="cuda")
+    with pytest.raises(UnavailableError, match="the CUDA backend needs"):
+        KVCache(config)
+
+
+@pytest.mark.skipif(not native_available(), reason="the native library is not built")
+def test_native_cuda_calls_refuse_clearly_without_libcuda() -> None:
+    try:
+        NativeCudaCalls(context_handle=0, device=0)
+    except UnavailableError as exc:
+        assert "libcuda" in str(exc)
+    else:
+        pytest.skip("libcuda is present here; the refusal cannot be observed")

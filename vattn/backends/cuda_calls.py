@@ -1,0 +1,127 @@
+"""Batched cuMemMap/cuMemSetAccess/cuMemUnmap for the CUDA backend: the C library, or cuda-python.
+
+Both make the backend's context current in the calling thread first (so the background
+mapper needs no setup of its own) and report how many pages they finished plus the
+CUresult that stopped them, so the backend can roll a failed batch back exactly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol
+
+from vattn.backends.page_calls import NATIVE_LIBRARY, native_available, u64_array
+from vattn.errors import UnavailableError
+
+
+class CudaPageCalls(Protocol):
+    name: str
+
+    def map_pages(self, addrs: Sequence[int], handles: Sequence[int], page_size: int) -> tuple[int, int]: ...
+
+    def unmap_pages(self, addrs: Sequence[int], page_size: int) -> tuple[int, int]: ...
+
+
+class DriverCudaCalls:
+    """cuda-python, one map and one set-access call per page."""
+
+    name = "cuda-python"
+
+    def __init__(self, driver: ModuleType, context: Any, device: int) -> None:
+        self._driver = driver
+        self._context = context
+        access = driver.CUmemAccessDesc()
+        access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = device
+        access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = [access]
+
+    def map_pages(self, addrs: Sequence[int], handles: Sequence[int], page_size: int) -> tuple[int, int]:
+        driver = self._driver
+        (err,) = driver.cuCtxSetCurrent(self._context)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return 0, int(err)
+        for i, (addr, handle) in enumerate(zip(addrs, handles, strict=True)):
+            (err,) = driver.cuMemMap(addr, page_size, 0, handle, 0)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                return i, int(err)
+            (err,) = driver.cuMemSetAccess(addr, page_size, self._access, 1)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                driver.cuMemUnmap(addr, page_size)
+                return i, int(err)
+        return len(addrs), 0
+
+    def unmap_pages(self, addrs: Sequence[int], page_size: int) -> tuple[int, int]:
+        driver = self._driver
+        (err,) = driver.cuCtxSetCurrent(self._context)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return 0, int(err)
+        for i, addr in enumerate(addrs):
+            (err,) = driver.cuMemUnmap(addr, page_size)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                return i, int(err)
+        return len(addrs), 0
+
+
+class NativeCudaCalls:
+    """One call into libvattn_native per batch, which calls libcuda with the GIL released."""
+
+    name = "native"
+
+    def __init__(self, context_handle: int, device: int, path: Path = NATIVE_LIBRARY) -> None:
+        lib = ctypes.CDLL(str(path))
+        lib.vattn_cuda_load.restype = ctypes.c_char_p
+        lib.vattn_cuda_load.argtypes = []
+        u64p, errp = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int)
+        lib.vattn_cuda_map_pages.restype = ctypes.c_long
+        lib.vattn_cuda_map_pages.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_long,
+            u64p,
+            u64p,
+            ctypes.c_uint64,
+            errp,
+        ]
+        lib.vattn_cuda_unmap_pages.restype = ctypes.c_long
+        lib.vattn_cuda_unmap_pages.argtypes = [ctypes.c_void_p, ctypes.c_long, u64p, ctypes.c_uint64, errp]
+        problem = lib.vattn_cuda_load()
+        if problem is not None:
+            raise UnavailableError(f"native CUDA mapping cannot load the driver library: {problem.decode()}")
+        self._lib = lib
+        self._context = context_handle
+        self._device = device
+
+    def map_pages(self, addrs: Sequence[int], handles: Sequence[int], page_size: int) -> tuple[int, int]:
+        err = ctypes.c_int(0)
+        done = self._lib.vattn_cuda_map_pages(
+            self._context,
+            self._device,
+            len(addrs),
+            u64_array(addrs),
+            u64_array(handles),
+            page_size,
+            ctypes.byref(err),
+        )
+        return done, err.value
+
+    def unmap_pages(self, addrs: Sequence[int], page_size: int) -> tuple[int, int]:
+        err = ctypes.c_int(0)
+        done = self._lib.vattn_cuda_unmap_pages(
+            self._context, len(addrs), u64_array(addrs), page_size, ctypes.byref(err)
+        )
+        return done, err.value
+
+
+def select_cuda_calls(native: bool | None, driver: ModuleType, context: Any, device: int) -> CudaPageCalls:
+    """The C library when asked for or built (None); cuda-python when asked for or missing."""
+    if native is False:
+        return DriverCudaCalls(driver, context, device)
+    if native_available():
+        return NativeCudaCalls(int(context), device)
+    if native:
+        raise RuntimeError(f"native mapping library not built at {NATIVE_LIBRARY}: run `make native`")
+    return DriverCudaCalls(driver, context, device)
