@@ -33,10 +33,11 @@ class CudaError(RuntimeError):
     """A CUDA driver call failed; carries the CUresult."""
 
     def __init__(self, driver: ModuleType, what: str, code: int) -> None:
-        _, name = driver.cuGetErrorName(code)
-        _, text = driver.cuGetErrorString(code)
-        label = name.decode() if name else f"CUresult {code}"
-        super().__init__(f"{what} failed: {label}: {text.decode() if text else 'unknown error'}")
+        try:
+            label = driver.CUresult(code).name
+        except ValueError:
+            label = "an unknown error"
+        super().__init__(f"{what} failed: {label} (CUresult {code})")
         self.code = code
 
 
