@@ -1,0 +1,95 @@
+"""The offline Python API, vLLM's shape: `LLM(...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm import tqdm
+
+from serving.engine import EngineConfig, LLMEngine
+from serving.outputs import RequestOutput, StreamDelta
+from serving.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+ROLES = ("system", "user", "assistant")
+
+
+class LLM:
+    """A model on the vattn engine. Keyword arguments are EngineConfig fields."""
+
+    def __init__(self, model: str | None = None, dtype: str = "float32", **engine: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion in one continuous batch; outputs in prompt order."""
+        batch = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
+        if not batch:
+            raise ValueError("generate needs at least one prompt")
+        per_prompt = list(params) if isinstance(params, list | tuple) else [params] * len(batch)
+        if len(per_prompt) != len(batch):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
+        ids = self._add_all(batch, per_prompt)
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                bar.update(sum(delta.finished for delta in self.engine.step()))
+        return [self.engine.result(request_id) for request_id in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yields one request's text as it is generated; closing the iterator aborts it."""
+        request_id = self.engine.add_request(prompt, params)
+        try:
+            finished = False
+            while not finished:
+                for delta in self.engine.step():
+                    if delta.request_id == request_id:
+                        finished = delta.finished
+                        yield delta
+        finally:  # a no-op for a finished request; frees the slot of an abandoned one
+            self.engine.abort(request_id)
+            self.engine.result(request_id)
+
+    def chat(
+        self, messages: Seq[Mapping[str, str]], params: SamplingParams | None = None, use_tqdm: bool = False
+    ) -> RequestOutput:
+        """Answers a conversation through the model's chat template."""
+        return self.generate([self.chat_prompt(messages)], params, use_tqdm)[0]
+
+    def chat_prompt(self, messages: Seq[Mapping[str, str]]) -> list[int]:
+        """Token ids of a conversation with the assistant's turn opened."""
+        if not isinstance(messages, list | tuple) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
+        for message in messages:
+            if not isinstance(message, Mapping) or message.get("role") not in ROLES:
+                raise ValueError(f"each message needs a role among {ROLES}, got {message!r}")
+            if not isinstance(message.get("content"), str):
+                raise ValueError(f"each message needs string content, got {message!r}")
+        rendered = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams | None]) -> list[str]:
+        """Queues all prompts, or none: a bad one withdraws those queued before it."""
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(prompt, p))
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort(request_id)
+                self.engine.result(request_id)
+            raise
+        return ids
+
+
+def _is_token_ids(prompt: object) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)

