@@ -14,7 +14,19 @@ GPU model would leave the CPU. On these VMs a page the guest never touched costs
 hypervisor fault too (~0.3 GB/s instead of ~1.6), so the synchronous p99 depends on the
 VM's history: the JSON records a first-touch probe (`prewarm`) for each mode.
 
+With `--backend cuda` the cache lives on the GPU (CUDA VMM, 2 MiB pages, Llama-3-8B KV
+shapes by default: 32 layers x 8 KV heads x 128, bfloat16, so 1,024 tokens per page) and
+each iteration runs as an engine's would: the model's work is launched first, asynchronously
+on the current stream (a loop of 4096^2 bf16 matmuls calibrated once to about
+`--compute-ms`), then `step()` (timed on the host), then the new token's K and V are written
+into every layer through the cache (`cache.layer_kv` + one indexed write per tensor, queued
+behind the matmuls), then `torch.cuda.synchronize()`, as an engine waits for the sampled
+tokens. Background mapping overlaps the GPU's work; synchronous mapping sits on the host's
+critical path. Results default to `gpu_step_latency.*`; without a GPU (or cuda-python) it
+prints why and exits with status 2.
+
     python -m benchmarks.step_latency [--iterations 1500] [--page-size 64K] [--compute-ms 3]
+    python -m benchmarks.step_latency --backend cuda [--iterations 1500] [--compute-ms 3]
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ import gc
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +60,7 @@ from benchmarks._common import (
     write_csv,
     write_json,
 )
+from benchmarks.gpu_mapping import exit_unless_cuda, gpu_facts
 from benchmarks.map_bandwidth import parse_size, size_label
 from vattn import KVCache, KVCacheConfig
 from vattn.backends.host import MAP_COUNT_HEADROOM, current_map_count, max_map_count
@@ -58,6 +71,15 @@ P99_TARGET = 0.05
 """Background p99 must be at most this share of synchronous p99."""
 SYNC_MAPS_TARGET = 1.0
 """At most this many synchronous page-step maps per 100 page boundaries (background mode)."""
+BACKEND_DEFAULTS: dict[str, dict[str, Any]] = {
+    # SmolLM2-135M's KV shape on 64 KiB host pages (~170 tokens per page).
+    "host": {"layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "float16", "page_size": 64 * 1024},
+    # Llama-3-8B's KV shape on the 2 MiB CUDA granularity (1,024 tokens per page).
+    "cuda": {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "page_size": 2 << 20},
+}
+RESULT_NAMES = {"host": "step_latency", "cuda": "gpu_step_latency"}
+GPU_MEMORY_HEADROOM = 2 << 30
+"""GPU memory left free beside the KV pool (the compute's matrices, the allocator, the driver)."""
 
 
 class GCTimer:
@@ -103,6 +125,80 @@ class Compute:
         for _ in range(self.count):
             torch.mm(self.a, self.b)
 
+    def launch(self) -> None:
+        """CPU work cannot run behind step(): it all happens in finish()."""
+
+    def finish(self) -> None:
+        self.run()
+
+
+class GpuCompute:
+    """Real GPU work of about `ms` milliseconds: bf16 matmuls launched asynchronously on the current stream."""
+
+    def __init__(self, ms: float, device: torch.device, size: int = 4096) -> None:
+        self.a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+        self.b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+        self.c = torch.empty(size, size, device=device, dtype=torch.bfloat16)
+        self.count = 0
+        self.matmul_ms = 0.0
+        if ms <= 0:
+            return
+        for _ in range(3):  # warm-up (cuBLAS handle, kernel selection, clocks)
+            torch.mm(self.a, self.b, out=self.c)
+        torch.cuda.synchronize(device)
+        per_matmul = []
+        for _ in range(7):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                torch.mm(self.a, self.b, out=self.c)
+            end.record()
+            end.synchronize()
+            per_matmul.append(start.elapsed_time(end) / 10)
+        self.matmul_ms = min(per_matmul)
+        self.count = max(1, round(ms / self.matmul_ms))
+
+    def launch(self) -> None:
+        for _ in range(self.count):
+            torch.mm(self.a, self.b, out=self.c)
+
+    def finish(self) -> None:
+        torch.cuda.synchronize()
+
+
+def token_writer(cache: KVCache, reqids: list[int], lengths: list[int], indexed: bool) -> Callable[[int], None]:
+    """`write(it)`: stores iteration `it`'s new token (position `lengths[i] + it` of request i) in
+    every layer's K and V through the cache; `it = -1` rewrites the last prefilled token.
+
+    Not `indexed` (host): one copy per request and tensor through `cache.kv` views (the new
+    token is each view's last row). `indexed` (GPU): one indexed write per tensor through
+    `cache.layer_kv`, positions computed on the device, so nothing waits for it.
+    """
+    cfg = cache.config
+    if not indexed:
+        token = torch.randn(cfg.num_kv_heads, cfg.head_dim).to(cfg.dtype)
+
+        def write_views(it: int) -> None:
+            for layer in range(cfg.num_layers):
+                for r in reqids:
+                    keys, values = cache.kv(layer, r)
+                    keys[-1] = token
+                    values[-1] = token
+
+        return write_views
+    slots = torch.tensor(reqids, device=cache.device)
+    first = torch.tensor(lengths, device=cache.device)
+    tokens = torch.randn(len(reqids), cfg.num_kv_heads, cfg.head_dim, device=cache.device).to(cfg.dtype)
+
+    def write_indexed(it: int) -> None:
+        index = (slots, first + it)
+        for layer in range(cfg.num_layers):
+            keys, values = cache.layer_kv(layer)
+            keys.index_put_(index, tokens)
+            values.index_put_(index, tokens)
+
+    return write_indexed
+
 
 def initial_lengths(slots: int, base: int, stride: int) -> list[int]:
     return [base + i * stride for i in range(slots)]
@@ -120,15 +216,22 @@ def make_config(args: argparse.Namespace, background: bool) -> KVCacheConfig:
         max_context=max_context,
         dtype=args.dtype,
         page_size=args.page_size,
+        backend=args.backend,
     )
     final = [n + args.iterations + args.lookahead for n in lengths]
     needed = sum(probe.pages_for(min(n, max_context)) for n in final) * probe.num_buffers
     budget_pages = math.ceil(needed * 1.1) + probe.num_buffers
-    allowed = (max_map_count() - current_map_count() - MAP_COUNT_HEADROOM - probe.num_buffers) // 2 - 64
+    if args.backend == "host":
+        allowed = (max_map_count() - current_map_count() - MAP_COUNT_HEADROOM - probe.num_buffers) // 2 - 64
+        limit = "vm.max_map_count allows the backend"
+    else:
+        free, _ = torch.cuda.mem_get_info()
+        allowed = (free - GPU_MEMORY_HEADROOM) // args.page_size
+        limit = f"the GPU has room for ({free >> 20} MiB free, {GPU_MEMORY_HEADROOM >> 30} GiB kept aside)"
     if budget_pages > allowed:
         if needed > allowed:
             raise SystemExit(
-                f"this run needs {needed} pages but vm.max_map_count allows the backend {allowed}: "
+                f"this run needs {needed} pages but {limit} {allowed}: "
                 "use fewer --iterations/--slots or a larger --page-size"
             )
         budget_pages = allowed
@@ -145,13 +248,24 @@ def counters_delta(after: MappingCounters, before: MappingCounters) -> dict[str,
     return {f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(MappingCounters)}
 
 
-def run_mode(mode: str, args: argparse.Namespace, compute: Compute) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One decode loop; returns per-iteration rows and the mode's summary."""
+def run_mode(
+    mode: str, args: argparse.Namespace, compute: Compute | GpuCompute
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One decode loop; returns per-iteration rows and the mode's summary.
+
+    Each iteration: launch the model's work (GPU: asynchronous; host: nothing yet), step()
+    (timed), write the new token into every layer, finish the model's work (host: run it;
+    GPU: wait for the device).
+    """
     config = make_config(args, MODES[mode])
-    prewarm_mib = args.prewarm_mib if args.prewarm_mib >= 0 else math.ceil(1.25 * (config.memory_budget or 0) / 2**20)
+    if args.prewarm_mib >= 0:
+        prewarm_mib = args.prewarm_mib
+    elif args.backend == "host":
+        prewarm_mib = math.ceil(1.25 * (config.memory_budget or 0) / 2**20)
+    else:
+        prewarm_mib = 0  # GPU pages never pass through the guest's RAM
     prewarm = prewarm_memory(prewarm_mib << 20)
     lengths = initial_lengths(args.slots, args.init_base, args.init_stride)
-    token = torch.randn(args.kv_heads, args.head_dim).to(config.dtype)
     gc_timer = GCTimer()
     rows: list[dict[str, Any]] = []
     with KVCache(config) as cache:
@@ -164,6 +278,10 @@ def run_mode(mode: str, args: argparse.Namespace, compute: Compute) -> tuple[lis
                 keys, values = cache.kv(layer, r)
                 keys.normal_()
                 values.normal_()
+        write = token_writer(cache, reqids, lengths, indexed=args.backend == "cuda")
+        write(-1)  # warm-up: the write path's kernels and views
+        compute.launch()
+        compute.finish()
         cache.wait_for_background()
         calls = cache.backend.calls.name  # type: ignore[attr-defined]
         before = cache.stats().counters
@@ -175,18 +293,16 @@ def run_mode(mode: str, args: argparse.Namespace, compute: Compute) -> tuple[lis
                 boundaries = sum(config.pages_for(target[r]) > config.pages_for(seq[r]) for r in reqids)
                 mapped_before = cache.stats().counters.needs_mapped_in_step
                 gc_before = gc_timer.seconds
+                launched = time.perf_counter()
+                compute.launch()
                 t0 = time.perf_counter()
                 cache.step(target)
                 t1 = time.perf_counter()
                 gc_in_step = gc_timer.seconds - gc_before
                 seq = target
-                for layer in range(config.num_layers):
-                    for r in reqids:
-                        keys, values = cache.kv(layer, r)
-                        keys[-1] = token
-                        values[-1] = token
+                write(it)
                 t2 = time.perf_counter()
-                compute.run()
+                compute.finish()
                 t3 = time.perf_counter()
                 rows.append(
                     {
@@ -195,6 +311,7 @@ def run_mode(mode: str, args: argparse.Namespace, compute: Compute) -> tuple[lis
                         "step_us": (t1 - t0) * 1e6,
                         "write_us": (t2 - t1) * 1e6,
                         "compute_us": (t3 - t2) * 1e6,
+                        "launch_us": (t0 - launched) * 1e6,
                         "boundaries": boundaries,
                         "mapped_in_step": cache.stats().counters.needs_mapped_in_step - mapped_before,
                         "gc_in_step_us": gc_in_step * 1e6,
@@ -214,6 +331,7 @@ def run_mode(mode: str, args: argparse.Namespace, compute: Compute) -> tuple[lis
     in_step = int(delta["needs_mapped_in_step"])
     summary = {
         "mode": mode,
+        "backend": args.backend,
         "background": config.background,
         "calls": calls,
         "iterations": len(rows),
@@ -222,6 +340,7 @@ def run_mode(mode: str, args: argparse.Namespace, compute: Compute) -> tuple[lis
         "step_us_between_boundaries": percentiles(between) if between else None,
         "write_us": percentiles([r["write_us"] for r in rows]),
         "compute_us": percentiles([r["compute_us"] for r in rows]),
+        "launch_us": percentiles([r["launch_us"] for r in rows]),
         "iterations_with_boundary": len(at_boundary),
         "page_needs": needs,
         "needs_mapped_in_step": in_step,
@@ -284,21 +403,36 @@ def plot(rows: list[dict[str, Any]], summaries: dict[str, dict[str, Any]], path:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    host, cuda = BACKEND_DEFAULTS["host"], BACKEND_DEFAULTS["cuda"]
+
+    def default(key: str, show: Callable[[Any], str] = str) -> str:
+        return f"default {show(host[key])} (host), {show(cuda[key])} (cuda)"
+
+    parser.add_argument(
+        "--backend",
+        choices=tuple(BACKEND_DEFAULTS),
+        default="host",
+        help="host: the cache in this process's memory, CPU compute; cuda: the cache on the GPU, GPU compute",
+    )
     parser.add_argument("--iterations", type=int, default=1500, help="measured decode iterations per mode")
     parser.add_argument("--slots", type=int, default=32, help="concurrent requests")
-    parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--kv-heads", type=int, default=3)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
-    parser.add_argument("--page-size", type=parse_size, default=64 * 1024, help="e.g. 64K, 256K, 2M")
+    parser.add_argument("--layers", type=int, default=None, help=default("layers"))
+    parser.add_argument("--kv-heads", type=int, default=None, help=default("kv_heads"))
+    parser.add_argument("--head-dim", type=int, default=None, help=default("head_dim"))
+    parser.add_argument("--dtype", default=None, choices=("float16", "bfloat16", "float32"), help=default("dtype"))
+    parser.add_argument(
+        "--page-size", type=parse_size, default=None, help="e.g. 64K, 256K, 2M; " + default("page_size", size_label)
+    )
     parser.add_argument("--init-base", type=int, default=100, help="request i starts at base + i * stride tokens")
     parser.add_argument("--init-stride", type=int, default=37)
-    parser.add_argument("--compute-ms", type=float, default=3.0, help="simulated model compute per iteration")
+    parser.add_argument(
+        "--compute-ms", type=float, default=3.0, help="simulated model compute per iteration (CPU or GPU matmuls)"
+    )
     parser.add_argument(
         "--compute-threads",
         type=int,
         default=1,
-        help="torch threads of the simulated compute; 1 leaves a core to the mapper, as a GPU model would",
+        help="torch threads of the simulated CPU compute; 1 leaves a core to the mapper, as a GPU model would",
     )
     parser.add_argument("--lookahead", type=int, default=1, help="KVCacheConfig.lookahead_tokens")
     parser.add_argument("--modes", default="sync,background", help="comma-separated: sync, background")
@@ -308,17 +442,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--prewarm-mib",
         type=int,
         default=-1,
-        help="touch and free this much memory before each mode so fresh pages are not the VM's first touch "
-        "(-1: 1.25 x the pool budget, 0: off)",
+        help="touch and free this much host memory before each mode so fresh pages are not the VM's first touch "
+        "(-1: 1.25 x the pool budget on the host backend, off on cuda; 0: off)",
     )
     parser.add_argument("--no-gc", action="store_true", help="disable Python's cyclic GC in the measured loop")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
-    parser.add_argument("--name", default="step_latency", help="file name stem of the results")
+    parser.add_argument(
+        "--name",
+        default=None,
+        help=f"file name stem of the results (default {RESULT_NAMES['host']}, or {RESULT_NAMES['cuda']} on cuda)",
+    )
     args = parser.parse_args(argv)
+    for key, value in BACKEND_DEFAULTS[args.backend].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.name = args.name or RESULT_NAMES[args.backend]
     args.native = {"auto": None, "yes": True, "no": False}[args.native]
     modes = [m.strip() for m in args.modes.split(",")]
     if unknown := set(modes) - set(MODES):
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {sorted(MODES)}")
+    if args.backend == "cuda":
+        exit_unless_cuda()
 
     torch.set_num_threads(args.compute_threads)
     if args.switch_interval_ms is not None:
@@ -326,7 +470,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.no_gc:
         gc.disable()
     meta = {"command": command_line(), **machine_facts(), "switch_interval_s": sys.getswitchinterval()}
-    compute = Compute(args.compute_ms)
+    compute: Compute | GpuCompute
+    if args.backend == "cuda":
+        meta["gpu"] = gpu_facts()
+        compute = GpuCompute(args.compute_ms, torch.device("cuda", torch.cuda.current_device()))
+        meta["compute"] = f"{compute.count} x bf16 4096^2 matmul on the GPU, {compute.matmul_ms:.3f} ms each"
+    else:
+        compute = Compute(args.compute_ms)
+        meta["compute"] = f"{compute.count} x float32 256^2 matmul on {args.compute_threads} CPU thread(s)"
     meta["compute_matmuls_per_iteration"] = compute.count
 
     rows: list[dict[str, Any]] = []
@@ -359,12 +510,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     write_csv(csv_path, rows)
     config_args = {k: v for k, v in vars(args).items() if k != "out"}
     write_json(json_path, {"meta": meta, "args": config_args, "summary": summaries, "verdict": verdict})
-    title = f"{meta['command']}  |  {meta['cpu_model']}, {meta['nproc']} cores, {meta['date']}"
+    machine = f"{meta['gpu']['device_name']}, " if "gpu" in meta else ""
+    title = f"{meta['command']}  |  {machine}{meta['cpu_model']}, {meta['nproc']} cores, {meta['date']}"
     plot(rows, summaries, png_path, title)
 
     print(
-        f"\n{size_label(args.page_size)} pages, {args.slots} slots x {args.layers} layers, "
-        f"{args.iterations} iterations, compute {compute.count} matmuls (~{args.compute_ms} ms)"
+        f"\n{args.backend}: {machine}{size_label(args.page_size)} pages, {args.slots} slots x {args.layers} layers, "
+        f"{args.iterations} iterations, compute {meta['compute']} (~{args.compute_ms} ms)"
     )
     print(
         f"{'mode':>10} {'p50 us':>8} {'p99 us':>8} {'max us':>8} {'mean us':>8} {'needs':>6} "
@@ -402,6 +554,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{s['prewarm'].get('median_chunk_gbps', 0):.2f} GB/s median, "
             f"{s['prewarm'].get('min_chunk_gbps', 0):.2f} min"
         )
+        if s["background_errors"]:
+            print(f"{mode}: the background mapper failed {s['background_errors']} times (step() mapped instead)")
     print(f"wrote {csv_path}, {json_path}, {png_path}")
 
 

@@ -67,7 +67,7 @@ class CudaBackend(VMMBackend):
         handle = self._check(driver.cuDeviceGet(index), "cuDeviceGet")
         self._device_handle = handle
         self._context = self._check(driver.cuDevicePrimaryCtxRetain(handle), "cuDevicePrimaryCtxRetain")
-        self._check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+        self._enter()
         self._prop = driver.CUmemAllocationProp()
         self._prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         self._prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -100,6 +100,10 @@ class CudaBackend(VMMBackend):
             raise CudaError(self._driver, what, int(err))
         return values[0] if len(values) == 1 else tuple(values) or None
 
+    def _enter(self) -> None:
+        """Makes the context current in the calling thread (the background mapper's too)."""
+        self._check(self._driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+
     def reserve(self, nbytes: int) -> int:
         return int(self._check(self._driver.cuMemAddressReserve(nbytes, self.granularity, 0, 0), "cuMemAddressReserve"))
 
@@ -108,6 +112,7 @@ class CudaBackend(VMMBackend):
 
     def create_pages(self, count: int) -> list[int]:
         """Creates pages; if the GPU runs out, releases this call's pages and raises OutOfPagesError."""
+        self._enter()
         pages: list[int] = []
         for _ in range(count):
             err, handle = self._driver.cuMemCreate(self.page_size, self._prop, 0)
@@ -122,6 +127,7 @@ class CudaBackend(VMMBackend):
         return pages
 
     def release_pages(self, pages: Sequence[int]) -> None:
+        self._enter()
         for page in pages:
             self._check(self._driver.cuMemRelease(page), "cuMemRelease")
             self._live_pages -= 1

@@ -1,0 +1,390 @@
+"""Physical mapping bandwidth of the CUDA backend (the paper's Table 7, on a GPU).
+
+For each page size (a multiple of the 2 MiB CUDA granularity) and each call path, a new
+`CudaBackend` works through `--total` bytes of device memory in pages:
+
+- "fresh": cuMemCreate every page (`create_s`, one cuda-python call per page on both
+  paths: the backend has no batched create), then cuMemMap + cuMemSetAccess them into a
+  reservation (`map_s`), `--batch` pages per `backend.map()` call.
+  GB/s = bytes / (create_s + map_s); `map_only_gbps` = bytes / map_s.
+- "recycled": the same pages unmapped, then mapped again at other addresses of the
+  reservation (what the KV cache does with a page a finished request gave back).
+  GB/s = bytes / map_s.
+
+Call paths: "native" (one call per batch into libvattn_native, which calls libcuda with
+the GIL released) and "cuda-python" (cuMemMap and cuMemSetAccess through the Python
+bindings, per page). Unmap and release times per page are recorded too. After each run
+the recycled mapping is written through a torch view and read back (not timed), so a
+mapping that does not work fails loudly. Median of `--reps` runs.
+
+    python -m benchmarks.gpu_mapping [--page-sizes 2M,4M,8M,16M,32M] [--total 4G] [--reps 5]
+
+Without a CUDA GPU and cuda-python it prints why and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+from tqdm import tqdm
+
+from benchmarks._common import RESULTS_DIR, command_line, machine_facts, save_figure, write_csv, write_json
+from benchmarks.map_bandwidth import batched, parse_size, size_label, timed_batches
+from vattn.errors import UnavailableError
+
+if TYPE_CHECKING:
+    from vattn.backends.cuda import CudaBackend
+
+MiB = 1 << 20
+MODES = ("fresh", "recycled")
+PATHS = ("native", "cuda-python")
+FREE_SHARE = 0.8
+"""At most this share of the GPU's free memory is mapped in one run."""
+
+
+# ---------------------------------------------------------------- shared by the GPU benchmarks
+
+
+def cuda_unavailable_reason(need_bindings: bool = True) -> str | None:
+    """Why the GPU benchmarks cannot run here (no CUDA GPU for torch, no cuda-python), or None."""
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        return f"no CUDA GPU: torch.cuda.is_available() is False (torch {torch.__version__}, {build})"
+    if need_bindings:
+        try:
+            from cuda.bindings import driver  # noqa: F401
+        except ImportError as exc:
+            return f"cuda-python is not installed (pip install 'vattn[gpu]'): {exc}"
+    return None
+
+
+def exit_unless_cuda(need_bindings: bool = True) -> None:
+    """Prints a one-line reason to stderr and exits with status 2 when there is no GPU to run on."""
+    reason = cuda_unavailable_reason(need_bindings)
+    if reason is not None:
+        print(f"{Path(sys.argv[0]).stem}: cannot run here: {reason}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def package_version(*distributions: str) -> str | None:
+    """The installed version of the first of `distributions` that is installed."""
+    for name in distributions:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def gpu_facts() -> dict[str, Any]:
+    """The GPU, its memory and the CUDA software stack (torch's build, the driver, cuda-python)."""
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    free, total = torch.cuda.mem_get_info(index)
+    facts: dict[str, Any] = {
+        "device_index": index,
+        "device_name": torch.cuda.get_device_name(index),
+        "compute_capability": f"{props.major}.{props.minor}",
+        "sm_count": props.multi_processor_count,
+        "total_memory_bytes": total,
+        "free_memory_bytes_at_start": free,
+        "l2_cache_bytes": getattr(props, "L2_cache_size", None),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_bindings": package_version("cuda-bindings", "cuda-python"),
+        "cuda_python": package_version("cuda-python"),
+        "driver_cuda_version": None,
+    }
+    try:
+        from cuda.bindings import driver
+
+        err, version = driver.cuDriverGetVersion()
+        if err == driver.CUresult.CUDA_SUCCESS:
+            facts["driver_cuda_version"] = f"{version // 1000}.{version % 1000 // 10}"
+    except ImportError:
+        pass
+    return facts
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def make_backend(page_size: int, pages: int, path: str) -> CudaBackend:
+    from vattn.backends.cuda import CudaBackend
+
+    backend = CudaBackend(page_size, pages, native=(path == "native"))
+    if backend.calls.name != path:
+        backend.close()
+        raise RuntimeError(f"asked for the {path} call path, the backend chose {backend.calls.name}")
+    return backend
+
+
+def probe_paths(paths: Sequence[str]) -> tuple[dict[str, str], int]:
+    """Why each call path that cannot be measured here cannot (the native library not built, ...),
+    and the CUDA allocation granularity (page sizes must be multiples of it; 2 MiB on current GPUs)."""
+    skipped: dict[str, str] = {}
+    granularity = 2 * MiB
+    for path in paths:
+        try:
+            probe = make_backend(2 * MiB, 1, path)  # creates no page
+        except (UnavailableError, RuntimeError) as exc:
+            skipped[path] = str(exc)
+            continue
+        granularity = probe.granularity
+        probe.close()
+    return skipped, granularity
+
+
+def verify_mapping(backend: CudaBackend, view: torch.Tensor, offset: int, pages: int) -> None:
+    """Writes one byte per page of `view[offset:]` through the GPU and reads them back."""
+    page_size = backend.page_size
+    marks = torch.arange(pages, device=backend.device, dtype=torch.int64).remainder(251).add(1).to(torch.uint8)
+    where = slice(offset, offset + pages * page_size, page_size)
+    view[where] = marks
+    torch.cuda.synchronize(backend.device)
+    if not torch.equal(view[where], marks):
+        raise RuntimeError(f"{size_label(page_size)} pages via {backend.calls.name}: read back differs from written")
+
+
+def one_run(page_size: int, pages: int, path: str, batch: int, verify: bool) -> list[dict[str, Any]]:
+    """Fresh then recycled mapping of `pages` pages on a new backend; one row per mode."""
+    backend = make_backend(page_size, pages, path)
+    nbytes = pages * page_size
+    base = backend.reserve(2 * nbytes)  # room to map the recycled pages at other addresses
+    view = backend.tensor(base, 2 * nbytes) if verify else None  # made while nothing is mapped there
+    pool: list[int] = []
+    mapped: list[int] = []
+    rows: list[dict[str, Any]] = []
+    try:
+        started = time.perf_counter()
+        pool = backend.create_pages(pages)
+        create_s = time.perf_counter() - started
+        fresh_addrs = [base + i * page_size for i in range(pages)]
+        recycled_addrs = [base + nbytes + i * page_size for i in range(pages)]
+        for mode, addrs in (("fresh", fresh_addrs), ("recycled", recycled_addrs)):
+            pairs = list(zip(batched(addrs, batch), batched(pool, batch), strict=True))
+            started = time.perf_counter()
+            for addr_batch, page_batch in pairs:
+                backend.map(addr_batch, page_batch)
+                mapped += addr_batch
+            map_s = time.perf_counter() - started
+            if view is not None and mode == "recycled":
+                verify_mapping(backend, view, nbytes, pages)
+            unmap_s = timed_batches(backend.unmap, batched(addrs, batch))
+            mapped = []
+            total_s = create_s + map_s if mode == "fresh" else map_s
+            rows.append(
+                {
+                    "page_size": page_size,
+                    "page_label": size_label(page_size),
+                    "path": backend.calls.name,
+                    "mode": mode,
+                    "pages": pages,
+                    "bytes": nbytes,
+                    "batch": batch,
+                    "create_s": create_s if mode == "fresh" else 0.0,
+                    "map_s": map_s,
+                    "total_s": total_s,
+                    "gbps": nbytes / total_s / 1e9,
+                    "map_only_gbps": nbytes / map_s / 1e9,
+                    "create_us_per_page": create_s / pages * 1e6 if mode == "fresh" else None,
+                    "map_us_per_page": map_s / pages * 1e6,
+                    "unmap_us_per_page": unmap_s / pages * 1e6,
+                }
+            )
+        started = time.perf_counter()
+        backend.release_pages(pool)
+        release_s = time.perf_counter() - started
+        pool = []
+        for row in rows:
+            row["release_us_per_page"] = release_s / pages * 1e6
+    finally:
+        view = None
+        # Left over only when something failed: clean up without hiding that error.
+        with contextlib.suppress(Exception):
+            if mapped:
+                backend.unmap(mapped)
+        with contextlib.suppress(Exception):
+            if pool:
+                backend.release_pages(pool)
+        backend.free_reservation(base, 2 * nbytes)
+        backend.close()
+    return rows
+
+
+def summarize(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median of every timing over the repetitions of each (page size, path, mode)."""
+    groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
+    for row in raw:
+        groups.setdefault((row["page_size"], row["path"], row["mode"]), []).append(row)
+    summary = []
+    for (page_size, path, mode), rows in sorted(groups.items()):
+        nbytes = rows[0]["bytes"]
+        med = {key: statistics.median(r[key] for r in rows) for key in ("create_s", "map_s", "total_s")}
+        out: dict[str, Any] = {
+            "page_size": page_size,
+            "page_label": size_label(page_size),
+            "path": path,
+            "mode": mode,
+            "pages": rows[0]["pages"],
+            "bytes": nbytes,
+            "reps": len(rows),
+            **{f"median_{key}": value for key, value in med.items()},
+            "gbps": nbytes / med["total_s"] / 1e9,
+            "gbps_min": min(r["gbps"] for r in rows),
+            "gbps_max": max(r["gbps"] for r in rows),
+            "map_only_gbps": nbytes / med["map_s"] / 1e9,
+            "create_gbps": nbytes / med["create_s"] / 1e9 if med["create_s"] else None,
+        }
+        for key in ("create_us_per_page", "map_us_per_page", "unmap_us_per_page", "release_us_per_page"):
+            values = [r[key] for r in rows if r.get(key) is not None]
+            out[key] = statistics.median(values) if values else None
+        summary.append(out)
+    return summary
+
+
+def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
+    """GB/s vs page size per call path x mode, and the per-page cost of each driver call."""
+    fig, (ax, ax_lat) = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [3, 2]})
+    page_sizes = sorted({row["page_size"] for row in summary})
+    colors = {"native": "tab:blue", "cuda-python": "tab:orange"}
+    for path_name in PATHS:
+        fresh = [r for r in summary if r["path"] == path_name and r["mode"] == "fresh"]
+        recycled = [r for r in summary if r["path"] == path_name and r["mode"] == "recycled"]
+        if not fresh:
+            continue
+        color = colors[path_name]
+        xs = [r["page_size"] for r in fresh]
+        ax.plot(xs, [r["gbps"] for r in fresh], "-", marker="o", color=color, label=f"{path_name}, fresh (create+map)")
+        ax.plot(
+            [r["page_size"] for r in recycled],
+            [r["gbps"] for r in recycled],
+            "--",
+            marker="s",
+            color=color,
+            label=f"{path_name}, recycled (map)",
+        )
+        for key, style, label in (
+            ("map_us_per_page", "-", "map"),
+            ("create_us_per_page", ":", "cuMemCreate"),
+            ("unmap_us_per_page", "-.", "unmap"),
+        ):
+            ax_lat.plot(xs, [r[key] for r in fresh], style, marker=".", color=color, label=f"{path_name}: {label}")
+    ax.set_yscale("log")
+    ax_lat.set_yscale("log")
+    for axis in (ax, ax_lat):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(page_sizes, [size_label(p) for p in page_sizes])
+        axis.set_xlabel("page size")
+        axis.grid(True, which="both", alpha=0.3)
+    ax.set_ylabel("GB/s")
+    ax.set_title("physical allocation bandwidth (CUDA VMM)")
+    ax.legend(fontsize=8)
+    ax_lat.set_ylabel("us per page (fresh run)")
+    ax_lat.set_title("driver call cost per page")
+    ax_lat.legend(fontsize=7)
+    save_figure(fig, path, title)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--page-sizes", default="2M,4M,8M,16M,32M", help="comma-separated, multiples of 2M")
+    parser.add_argument(
+        "--total", default="4G", help=f"bytes mapped per run (capped to {FREE_SHARE} x the free GPU memory)"
+    )
+    parser.add_argument("--reps", type=int, default=5, help="repetitions of each config (median reported)")
+    parser.add_argument("--batch", type=int, default=64, help="pages per map/unmap call (64 = 32 layers x K,V)")
+    parser.add_argument("--paths", default=",".join(PATHS), help="call paths: native and/or cuda-python")
+    parser.add_argument("--no-verify", action="store_true", help="skip the write/read-back check after each run")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
+    parser.add_argument("--name", default="gpu_mapping", help="file name stem of the results")
+    args = parser.parse_args(argv)
+    page_sizes = [parse_size(p) for p in args.page_sizes.split(",")]
+    paths = [p.strip() for p in args.paths.split(",")]
+    if unknown := set(paths) - set(PATHS):
+        raise SystemExit(f"unknown paths {sorted(unknown)}; choose from {list(PATHS)}")
+    exit_unless_cuda()
+
+    skipped, granularity = probe_paths(paths)
+    if wrong := [size_label(ps) for ps in page_sizes if ps % granularity]:
+        raise SystemExit(f"page sizes {wrong} are not multiples of the CUDA granularity {size_label(granularity)}")
+    for path, reason in skipped.items():
+        print(f"skipping the {path} path: {reason}")
+    paths = [p for p in paths if p not in skipped]
+    if not paths:
+        print(f"{Path(sys.argv[0]).stem}: cannot run here: no call path is available", file=sys.stderr)
+        raise SystemExit(2)
+
+    free, _ = torch.cuda.mem_get_info()
+    total = min(parse_size(args.total), int(free * FREE_SHARE))
+    pages = {ps: total // ps for ps in page_sizes}
+    if too_big := [size_label(ps) for ps, n in pages.items() if n == 0]:
+        raise SystemExit(f"pages {too_big} are larger than the {total >> 20} MiB a run may map")
+    if total < parse_size(args.total):
+        print(f"note: --total cut to {total >> 20} MiB ({FREE_SHARE:.0%} of the {free >> 20} MiB free)")
+
+    meta = {"command": command_line(), **machine_facts(), "gpu": gpu_facts()}
+    for path in paths:  # warm-up, not recorded: driver and library first-call costs
+        one_run(page_sizes[0], min(pages[page_sizes[0]], 2 * args.batch), path, args.batch, verify=False)
+    raw: list[dict[str, Any]] = []
+    jobs = [(rep, ps, path) for rep in range(args.reps) for ps in page_sizes for path in paths]
+    for rep, ps, path in tqdm(jobs, desc="gpu mapping", unit="run"):
+        for row in one_run(ps, pages[ps], path, args.batch, verify=not args.no_verify):
+            raw.append({"rep": rep, **row})
+
+    summary = summarize(raw)
+    args.out.mkdir(parents=True, exist_ok=True)
+    csv_path, json_path, png_path = (args.out / f"{args.name}.{ext}" for ext in ("csv", "json", "png"))
+    write_csv(csv_path, summary)
+    write_json(
+        json_path,
+        {
+            "meta": meta,
+            "config": {
+                "page_sizes": page_sizes,
+                "pages": {str(k): v for k, v in pages.items()},
+                "total_bytes": total,
+                "reps": args.reps,
+                "batch": args.batch,
+                "paths": paths,
+                "skipped_paths": skipped,
+                "verified": not args.no_verify,
+                "layout": "page i at base + i * page_size; recycled at base + total + i * page_size",
+            },
+            "summary": summary,
+            "raw": raw,
+        },
+    )
+    gpu = meta["gpu"]
+    title = f"{meta['command']}  |  {gpu['device_name']}, driver CUDA {gpu['driver_cuda_version']}, {meta['date']}"
+    plot(summary, png_path, title)
+
+    print(
+        f"\n{gpu['device_name']}: {total >> 20} MiB per run, median of {args.reps}\n"
+        f"{'page':>5} {'path':>12} {'mode':>9} {'GB/s':>8} {'map GB/s':>9} {'create us/pg':>13} "
+        f"{'map us/pg':>10} {'unmap us/pg':>12} {'release us/pg':>14}"
+    )
+    for r in summary:
+        create = f"{r['create_us_per_page']:13.1f}" if r["create_us_per_page"] is not None else f"{'':>13}"
+        print(
+            f"{r['page_label']:>5} {r['path']:>12} {r['mode']:>9} {r['gbps']:8.1f} {r['map_only_gbps']:9.1f} "
+            f"{create} {r['map_us_per_page']:10.1f} {r['unmap_us_per_page']:12.1f} {r['release_us_per_page']:14.1f}"
+        )
+    print(f"wrote {csv_path}, {json_path}, {png_path}")
+
+
+if __name__ == "__main__":
+    main()
