@@ -154,6 +154,10 @@ def test_idle_pages_are_reclaimed_when_a_step_needs_them(make_cache: MakeCache) 
     assert stats.mapped_bytes == 20 * 8 * 4096 and stats.pages_per_slot[reqids[0]] == 15 * 8
     assert stats.counters.unmap_pages == 10 * 8
 
+    cache.free_reqid(reqids[0])
+    cache.release_idle()
+    assert cache.num_free_pages() == 20 * 8 and cache.stats().mapped_bytes == 0
+
 
 def test_background_thread_reclaims_below_the_watermark(make_cache: MakeCache) -> None:
     cache = make_cache(memory_budget=20 * 8 * 4096, reclaim_watermark=0.5, eager_pages=0, lookahead_tokens=0)

@@ -238,6 +238,14 @@ class KVCache:
                 background_errors=self._mapper.errors if self._mapper else 0,
             )
 
+    def release_idle(self) -> None:
+        """Unmaps every idle slot's pages back into the pool (deferred reclamation, now)."""
+        with self._lock:
+            self._check_open()
+            idle = [(slot, len(slot.pages)) for slot in self._slots if not slot.active and slot.pages]
+            if idle:
+                self._unmap_tail(idle)
+
     def wait_for_background(self, timeout: float | None = None) -> bool:
         """Blocks until the background thread has nothing left to map; False on timeout."""
         return self._mapper.wait_idle(timeout) if self._mapper else True

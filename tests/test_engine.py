@@ -1,0 +1,187 @@
+"""The engine with the real default model: parity with HF generate, preemption, sampling, bad input."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from serving import LLM, SamplingParams
+from serving.detokenizer import IncrementalDetokenizer
+from serving.model_store import ensure_default_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List three primary colors:",
+    "The quick brown fox",
+    "Water boils at a temperature of",
+    "Translate to French: good morning ->",
+    # Longer than a 48-token iteration budget: its prefill runs in chunks beside decodes.
+    "Here is a long story about a lighthouse keeper who lived alone on a rocky island far "
+    "from the coast. Every night he climbed the stairs, lit the lamp and watched the ships. "
+    "One stormy evening, a small boat appeared on the horizon, and",
+]
+GREEDY = SamplingParams(max_tokens=32, temperature=0)
+ENGINE: dict[str, Any] = {"max_slots": 8, "max_context": 512, "max_batched_tokens": 48, "kv_budget": 64 << 20}
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    model = LLM(**ENGINE)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(llm: LLM) -> list[list[int]]:
+    """HF generate's greedy tokens for PROMPTS, one prompt at a time, fp32."""
+    model = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32).eval()
+    outputs = []
+    for prompt in PROMPTS:
+        ids = llm.tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            generated = model.generate(ids, max_new_tokens=32, do_sample=False)
+        outputs.append(generated[0, ids.shape[1] :].tolist())
+    return outputs
+
+
+def run_staggered(llm: LLM, prompts: list[str], params: SamplingParams) -> list[list[int]]:
+    """Two requests first, then one more every second iteration: continuous batching."""
+    engine = llm.engine
+    queue, ids = list(prompts), []
+    ids += [engine.add_request(queue.pop(0), params) for _ in range(2)]
+    iteration = 0
+    while engine.has_unfinished() or queue:
+        if queue and iteration % 2 == 1:
+            ids.append(engine.add_request(queue.pop(0), params))
+        engine.step()
+        iteration += 1
+    return [engine.result(request_id).token_ids for request_id in ids]
+
+
+def test_greedy_matches_hf_generate_under_continuous_batching(llm: LLM, hf_greedy: list[list[int]]) -> None:
+    chunked_before = llm.engine.iterations
+    assert run_staggered(llm, PROMPTS, GREEDY) == hf_greedy
+    assert llm.engine.iterations > chunked_before
+    assert len(llm.tokenizer(PROMPTS[-1]).input_ids) > ENGINE["max_batched_tokens"]  # chunked prefill ran
+
+
+def test_preemption_keeps_outputs_and_returns_every_page(hf_greedy: list[list[int]]) -> None:
+    # 64 KiB pages hold 85 tokens per layer tensor; 8 MiB is 128 page steps over 60 tensors:
+    # two pages per request for 8 requests would need more, so some are preempted.
+    small = LLM(**{**ENGINE, "kv_budget": 8 << 20, "max_context": 160})
+    try:
+        assert run_staggered(small, PROMPTS, GREEDY) == hf_greedy
+        assert small.engine.scheduler.preemptions > 0
+        cache = small.engine.cache
+        assert cache.num_free_slots() == ENGINE["max_slots"] and cache.stats().active_bytes == 0
+        cache.wait_for_background()
+        cache.release_idle()
+        assert cache.num_free_pages() == cache.stats().pool_pages
+    finally:
+        small.close()
+
+
+def test_stop_strings_cut_the_text(llm: LLM) -> None:
+    (plain,) = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
+    (stopped,) = llm.generate(PROMPTS[1], SamplingParams(max_tokens=32, temperature=0, stop=["return"]), use_tqdm=False)
+    assert "return" in plain.text
+    assert stopped.text == plain.text[: plain.text.index("return")]
+    assert stopped.finish_reason == "stop" and plain.finish_reason == "length"
+
+
+def test_stop_token_ids_and_max_tokens(llm: LLM) -> None:
+    (plain,) = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    third = plain.token_ids[2]
+    (stopped,) = llm.generate(
+        PROMPTS[0], SamplingParams(max_tokens=32, temperature=0, stop_token_ids=[third]), use_tqdm=False
+    )
+    assert stopped.token_ids == plain.token_ids[:3] and stopped.finish_reason == "stop"
+    (short,) = llm.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
+    assert short.token_ids == plain.token_ids[:5] and short.finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible_whatever_runs_beside_it(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    (alone,) = llm.generate(PROMPTS[2], params, use_tqdm=False)
+    crowd = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[3]], [GREEDY, params, GREEDY], use_tqdm=False)
+    other = llm.generate(PROMPTS[2], SamplingParams(max_tokens=24, temperature=0.9, seed=99), use_tqdm=False)
+    assert crowd[1].token_ids == alone.token_ids
+    assert other[0].token_ids != alone.token_ids
+
+
+def test_logprobs_of_sampled_and_top_tokens(llm: LLM) -> None:
+    (out,) = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0, logprobs=3), use_tqdm=False)
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 6
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert entry.token_id == token and entry.logprob <= 0
+        assert entry.top[0][0] == token  # greedy picks the most likely token
+        assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
+        assert len(entry.top) == 3
+    model = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32).eval()
+    ids = llm.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    with torch.inference_mode():
+        first = model(ids).logits[0, -1].log_softmax(-1)
+    assert abs(float(first[out.token_ids[0]]) - out.logprobs[0].logprob) < 1e-4
+
+
+def test_streaming_concatenates_to_the_full_text(llm: LLM) -> None:
+    (whole,) = llm.generate(PROMPTS[3], GREEDY, use_tqdm=False)
+    deltas = list(llm.stream(PROMPTS[3], GREEDY))
+    assert "".join(d.text for d in deltas) == whole.text
+    assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+
+
+def test_closing_a_stream_aborts_it_and_frees_its_slot(llm: LLM) -> None:
+    stream = llm.stream(PROMPTS[4], SamplingParams(max_tokens=200, temperature=0))
+    next(stream)
+    stream.close()
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.cache.num_free_slots() == ENGINE["max_slots"]
+
+
+def test_incremental_detokenization_of_multibyte_text(llm: LLM) -> None:
+    text = "Café 世界 🙂 naïve — ok"
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(llm.tokenizer, [])
+    deltas = [detokenizer.add(token) for token in ids]
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+    assert "" in deltas  # some characters spanned several tokens and were held back
+
+
+def test_chat_uses_the_model_template(llm: LLM) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = llm.tokenizer.decode(llm.chat_prompt(messages))
+    assert prompt.startswith("<|im_start|>system") and prompt.endswith("<|im_start|>assistant\n")
+    answer = llm.chat(messages, SamplingParams(max_tokens=24, temperature=0))
+    assert "Paris" in answer.text and answer.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda llm: llm.generate("", GREEDY), "the prompt is empty"),
+        (lambda llm: llm.generate([[]], GREEDY), "the prompt is empty"),
+        (lambda llm: llm.generate("word " * 600, GREEDY), r"the prompt has \d+ tokens but the max context is 512"),
+        (lambda llm: llm.generate([[1, 2, 10**9]], GREEDY), r"prompt token ids must be in \[0, 49152\)"),
+        (lambda llm: SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1"),
+        (lambda llm: SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (lambda llm: SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (lambda llm: SamplingParams(temperature=-0.5), "temperature must be a number >= 0"),
+        (lambda llm: SamplingParams(top_k=-1), "top_k must be an integer >= 0"),
+        (lambda llm: SamplingParams(stop=[""]), "stop must be a non-empty string"),
+        (lambda llm: SamplingParams(logprobs=50), r"logprobs must be an integer in \[0, 20\]"),
+        (lambda llm: llm.chat([{"role": "robot", "content": "hi"}]), "each message needs a role"),
+        (lambda llm: llm.generate(["fine", ""], GREEDY), "the prompt is empty"),
+    ],
+)
+def test_bad_input_raises_value_error_and_queues_nothing(llm: LLM, make: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make(llm)
+    assert not llm.engine.has_unfinished() and llm.engine.cache.num_free_slots() == ENGINE["max_slots"]
