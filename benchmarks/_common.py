@@ -1,4 +1,4 @@
-"""Shared helpers: where results go, machine facts, CSV/JSON writers, percentiles."""
+"""Shared helpers: where results go, machine facts, CSV/JSON writers, tables, percentiles."""
 
 from __future__ import annotations
 
@@ -132,6 +132,36 @@ def save_figure(fig: Any, path: Path, title: str) -> None:
 def write_json(path: Path, payload: Mapping[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def write_results(
+    out: Path, name: str, rows: Sequence[Mapping[str, Any]], payload: Mapping[str, Any]
+) -> tuple[Path, Path, Path]:
+    """Writes `rows` to `out/name.csv` and `payload` to `out/name.json`; returns those two paths
+    and `out/name.png`, where the caller's plot goes."""
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path, json_path, png_path = (out / f"{name}.{ext}" for ext in ("csv", "json", "png"))
+    write_csv(csv_path, rows)
+    write_json(json_path, payload)
+    return csv_path, json_path, png_path
+
+
+def print_table(
+    rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, int, str]], title: str = ""
+) -> None:
+    """Prints a blank line, `title` (when given), the right-aligned headers, then one line per row.
+
+    A column is (header, key, width, format spec after the width: "" or e.g. ".1f"); a value
+    that is None or missing is printed blank.
+    """
+    header = " ".join(f"{name:>{width}}" for name, _, width, _ in columns)
+    print(f"\n{title}\n{header}" if title else f"\n{header}")
+    for row in rows:
+        cells = (
+            f"{'':>{width}}" if row.get(key) is None else format(row[key], f">{width}{spec}")
+            for _, key, width, spec in columns
+        )
+        print(" ".join(cells))
 
 
 def percentiles(values: Sequence[float] | np.ndarray) -> dict[str, float]:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import math
 import statistics
@@ -60,8 +61,8 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm import tqdm
 
-from benchmarks._common import RESULTS_DIR, command_line, machine_facts, save_figure, write_csv, write_json
-from benchmarks.gpu_mapping import exit_unless_cuda, gpu_facts, package_version
+from benchmarks._common import RESULTS_DIR, command_line, machine_facts, save_figure, write_results
+from benchmarks.gpu_mapping import cannot_run, exit_unless_cuda, gpu_facts, package_version
 from benchmarks.map_bandwidth import parse_size, size_label
 from vattn.errors import UnavailableError
 
@@ -143,14 +144,9 @@ def vattn_case(kernel_name: str, shape: Shape, batch: int, page_size: int, backe
     slot_pages = probe.pages_for(shape.tokens)
     max_context = slot_pages * page_size // probe.token_bytes
     pages = batch * slot_pages * probe.num_buffers
-    config = KVCacheConfig(
-        num_layers=1,
-        num_kv_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        max_slots=batch,
+    config = dataclasses.replace(
+        probe,
         max_context=max_context,
-        dtype=shape.dtype,
-        page_size=page_size,
         backend=backend,
         memory_budget=pages * page_size,
         layout="per_layer",
@@ -185,16 +181,43 @@ def vattn_case(kernel_name: str, shape: Shape, batch: int, page_size: int, backe
     )
 
 
+@dataclass
+class PagedKV:
+    """A paged K/V cache of random contents: `[blocks, block, kv_heads, head_dim]` K and V, where
+    every request holds `per_request` blocks, enough for context + 1 tokens."""
+
+    per_request: int
+    blocks: int
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+    @classmethod
+    def random(cls, shape: Shape, batch: int, device: torch.device, block: int) -> PagedKV:
+        per_request = math.ceil(shape.tokens / block)
+        blocks = batch * per_request
+        cache_shape = (blocks, block, shape.kv_heads, shape.head_dim)
+        k_cache = torch.randn(cache_shape, device=device, dtype=shape.dtype)
+        v_cache = torch.randn(cache_shape, device=device, dtype=shape.dtype)
+        return cls(per_request, blocks, k_cache, v_cache)
+
+    def gather(self, rows: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `tokens` tokens of K and V held in blocks `rows`, in that order."""
+        rows = rows.long()
+        return self.k_cache[rows].flatten(0, 1)[:tokens], self.v_cache[rows].flatten(0, 1)[:tokens]
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory K and V hold."""
+        return self.k_cache.nbytes + self.v_cache.nbytes
+
+
 def paged_flash_attn_case(shape: Shape, batch: int, device: torch.device, block: int = 256) -> Case:
     """flash_attn_with_kvcache over a block table of randomly permuted 256-token blocks."""
     from flash_attn import flash_attn_with_kvcache
 
-    per_request = math.ceil(shape.tokens / block)
-    blocks = batch * per_request
-    cache_shape = (blocks, block, shape.kv_heads, shape.head_dim)
-    k_cache = torch.randn(cache_shape, device=device, dtype=shape.dtype)
-    v_cache = torch.randn(cache_shape, device=device, dtype=shape.dtype)
-    block_table = torch.randperm(blocks, device=device).to(torch.int32).view(batch, per_request).contiguous()
+    paged = PagedKV.random(shape, batch, device, block)
+    block_table = torch.randperm(paged.blocks, device=device).to(torch.int32).view(batch, paged.per_request)
+    block_table = block_table.contiguous()
     cache_seqlens = torch.full((batch,), shape.context, dtype=torch.int32, device=device)
     q, k, v = _inputs(shape, batch, device)
     q4, k4, v4 = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # [batch, 1 new token, heads, dim]
@@ -202,8 +225,8 @@ def paged_flash_attn_case(shape: Shape, batch: int, device: torch.device, block:
     def run() -> torch.Tensor:
         out = flash_attn_with_kvcache(
             q4,
-            k_cache,
-            v_cache,
+            paged.k_cache,
+            paged.v_cache,
             k=k4,
             v=v4,
             cache_seqlens=cache_seqlens,
@@ -214,25 +237,18 @@ def paged_flash_attn_case(shape: Shape, batch: int, device: torch.device, block:
         return out.squeeze(1)
 
     def gather(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = block_table[i].long()
-        return (
-            k_cache[rows].flatten(0, 1)[: shape.tokens],
-            v_cache[rows].flatten(0, 1)[: shape.tokens],
-        )
+        return paged.gather(block_table[i], shape.tokens)
 
-    return Case(run=run, q=q, k_new=k, v_new=v, gather=gather, kv_bytes=2 * k_cache.nbytes)
+    return Case(run=run, q=q, k_new=k, v_new=v, gather=gather, kv_bytes=paged.nbytes)
 
 
 def paged_flashinfer_case(shape: Shape, batch: int, device: torch.device, page: int = 16) -> Case:
     """FlashInfer's batch decode over randomly permuted 16-token pages, with the append kernel."""
     import flashinfer
 
-    per_request = math.ceil(shape.tokens / page)
-    pages = batch * per_request
-    cache_shape = (pages, page, shape.kv_heads, shape.head_dim)
-    k_cache = torch.randn(cache_shape, device=device, dtype=shape.dtype)
-    v_cache = torch.randn(cache_shape, device=device, dtype=shape.dtype)
-    indices = torch.randperm(pages, device=device).to(torch.int32)
+    paged = PagedKV.random(shape, batch, device, page)
+    per_request = paged.per_request
+    indices = torch.randperm(paged.blocks, device=device).to(torch.int32)
     indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * per_request
     # The page table already holds the appended token (FlashInfer's convention for appends).
     last_page_len = torch.full((batch,), shape.tokens - (per_request - 1) * page, dtype=torch.int32, device=device)
@@ -253,7 +269,7 @@ def paged_flashinfer_case(shape: Shape, batch: int, device: torch.device, page: 
         sm_scale=shape.scale,
     )
     q, k, v = _inputs(shape, batch, device)
-    kv = (k_cache, v_cache)
+    kv = (paged.k_cache, paged.v_cache)
 
     def run() -> torch.Tensor:
         flashinfer.append_paged_kv_cache(
@@ -262,13 +278,9 @@ def paged_flashinfer_case(shape: Shape, batch: int, device: torch.device, page: 
         return wrapper.run(q, kv)
 
     def gather(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = indices[i * per_request : (i + 1) * per_request].long()
-        return (
-            k_cache[rows].flatten(0, 1)[: shape.tokens],
-            v_cache[rows].flatten(0, 1)[: shape.tokens],
-        )
+        return paged.gather(indices[i * per_request : (i + 1) * per_request], shape.tokens)
 
-    return Case(run=run, q=q, k_new=k, v_new=v, gather=gather, kv_bytes=2 * k_cache.nbytes)
+    return Case(run=run, q=q, k_new=k, v_new=v, gather=gather, kv_bytes=paged.nbytes)
 
 
 def build_case(variant: str, shape: Shape, batch: int, page_size: int, device: torch.device) -> Case:
@@ -481,14 +493,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ok_rows = [r for r in rows if r["status"] == "ok"]
     if not ok_rows and not failed:
         reasons = "; ".join(f"{v}: {why}" for v, why in skipped.items())
-        print(f"{Path(sys.argv[0]).stem}: cannot run here: no variant is available ({reasons})", file=sys.stderr)
-        raise SystemExit(2)
+        cannot_run(f"no variant is available ({reasons})")
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    csv_path, json_path, png_path = (args.out / f"{args.name}.{ext}" for ext in ("csv", "json", "png"))
-    write_csv(csv_path, rows)
-    write_json(
-        json_path,
+    csv_path, json_path, png_path = write_results(
+        args.out,
+        args.name,
+        rows,
         {
             "meta": meta,
             "config": {

@@ -27,22 +27,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
-import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import torch
-from tqdm import tqdm
 
-from benchmarks._common import RESULTS_DIR, command_line, machine_facts, save_figure, write_csv, write_json
-from benchmarks.map_bandwidth import batched, parse_size, size_label, timed_batches
+from benchmarks._common import RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
+from benchmarks.map_bandwidth import (
+    batched,
+    label_page_size_axes,
+    page_size_figure,
+    parse_size,
+    per_page_columns,
+    repeated_runs,
+    run_columns,
+    run_fields,
+    size_label,
+    summarize_runs,
+    timed_batches,
+)
 from vattn.errors import UnavailableError
 
 if TYPE_CHECKING:
@@ -71,12 +80,17 @@ def cuda_unavailable_reason(need_bindings: bool = True) -> str | None:
     return None
 
 
+def cannot_run(reason: str) -> NoReturn:
+    """Prints `<script>: cannot run here: <reason>` to stderr and exits with status 2."""
+    print(f"{Path(sys.argv[0]).stem}: cannot run here: {reason}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def exit_unless_cuda(need_bindings: bool = True) -> None:
     """Prints a one-line reason to stderr and exits with status 2 when there is no GPU to run on."""
     reason = cuda_unavailable_reason(need_bindings)
     if reason is not None:
-        print(f"{Path(sys.argv[0]).stem}: cannot run here: {reason}", file=sys.stderr)
-        raise SystemExit(2)
+        cannot_run(reason)
 
 
 def package_version(*distributions: str) -> str | None:
@@ -188,13 +202,7 @@ def one_run(page_size: int, pages: int, path: str, batch: int, verify: bool) -> 
             total_s = create_s + map_s if mode == "fresh" else map_s
             rows.append(
                 {
-                    "page_size": page_size,
-                    "page_label": size_label(page_size),
-                    "path": backend.calls.name,
-                    "mode": mode,
-                    "pages": pages,
-                    "bytes": nbytes,
-                    "batch": batch,
+                    **run_fields(page_size, backend.calls.name, mode, pages, batch),
                     "create_s": create_s if mode == "fresh" else 0.0,
                     "map_s": map_s,
                     "total_s": total_s,
@@ -227,39 +235,16 @@ def one_run(page_size: int, pages: int, path: str, batch: int, verify: bool) -> 
 
 def summarize(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median of every timing over the repetitions of each (page size, path, mode)."""
-    groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
-    for row in raw:
-        groups.setdefault((row["page_size"], row["path"], row["mode"]), []).append(row)
-    summary = []
-    for (page_size, path, mode), rows in sorted(groups.items()):
-        nbytes = rows[0]["bytes"]
-        med = {key: statistics.median(r[key] for r in rows) for key in ("create_s", "map_s", "total_s")}
-        out: dict[str, Any] = {
-            "page_size": page_size,
-            "page_label": size_label(page_size),
-            "path": path,
-            "mode": mode,
-            "pages": rows[0]["pages"],
-            "bytes": nbytes,
-            "reps": len(rows),
-            **{f"median_{key}": value for key, value in med.items()},
-            "gbps": nbytes / med["total_s"] / 1e9,
-            "gbps_min": min(r["gbps"] for r in rows),
-            "gbps_max": max(r["gbps"] for r in rows),
-            "map_only_gbps": nbytes / med["map_s"] / 1e9,
-            "create_gbps": nbytes / med["create_s"] / 1e9 if med["create_s"] else None,
-        }
-        for key in ("create_us_per_page", "map_us_per_page", "unmap_us_per_page", "release_us_per_page"):
-            values = [r[key] for r in rows if r.get(key) is not None]
-            out[key] = statistics.median(values) if values else None
-        summary.append(out)
-    return summary
+    return summarize_runs(
+        raw,
+        ("create_s", "map_s", "total_s"),
+        ("create_us_per_page", "map_us_per_page", "unmap_us_per_page", "release_us_per_page"),
+    )
 
 
 def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
     """GB/s vs page size per call path x mode, and the per-page cost of each driver call."""
-    fig, (ax, ax_lat) = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [3, 2]})
-    page_sizes = sorted({row["page_size"] for row in summary})
+    fig, ax, ax_lat = page_size_figure(5.5)
     colors = {"native": "tab:blue", "cuda-python": "tab:orange"}
     for path_name in PATHS:
         fresh = [r for r in summary if r["path"] == path_name and r["mode"] == "fresh"]
@@ -285,17 +270,13 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
             ax_lat.plot(xs, [r[key] for r in fresh], style, marker=".", color=color, label=f"{path_name}: {label}")
     ax.set_yscale("log")
     ax_lat.set_yscale("log")
-    for axis in (ax, ax_lat):
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(page_sizes, [size_label(p) for p in page_sizes])
-        axis.set_xlabel("page size")
-        axis.grid(True, which="both", alpha=0.3)
-    ax.set_ylabel("GB/s")
-    ax.set_title("physical allocation bandwidth (CUDA VMM)")
-    ax.legend(fontsize=8)
-    ax_lat.set_ylabel("us per page (fresh run)")
-    ax_lat.set_title("driver call cost per page")
-    ax_lat.legend(fontsize=7)
+    label_page_size_axes(
+        summary,
+        (
+            (ax, "GB/s", "physical allocation bandwidth (CUDA VMM)", {"fontsize": 8}),
+            (ax_lat, "us per page (fresh run)", "driver call cost per page", {"fontsize": 7}),
+        ),
+    )
     save_figure(fig, path, title)
 
 
@@ -325,8 +306,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"skipping the {path} path: {reason}")
     paths = [p for p in paths if p not in skipped]
     if not paths:
-        print(f"{Path(sys.argv[0]).stem}: cannot run here: no call path is available", file=sys.stderr)
-        raise SystemExit(2)
+        cannot_run("no call path is available")
 
     free, _ = torch.cuda.mem_get_info()
     total = min(parse_size(args.total), int(free * FREE_SHARE))
@@ -339,18 +319,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     meta = {"command": command_line(), **machine_facts(), "gpu": gpu_facts()}
     for path in paths:  # warm-up, not recorded: driver and library first-call costs
         one_run(page_sizes[0], min(pages[page_sizes[0]], 2 * args.batch), path, args.batch, verify=False)
-    raw: list[dict[str, Any]] = []
-    jobs = [(rep, ps, path) for rep in range(args.reps) for ps in page_sizes for path in paths]
-    for rep, ps, path in tqdm(jobs, desc="gpu mapping", unit="run"):
-        for row in one_run(ps, pages[ps], path, args.batch, verify=not args.no_verify):
-            raw.append({"rep": rep, **row})
+    raw = repeated_runs(
+        args.reps,
+        page_sizes,
+        paths,
+        lambda ps, path: one_run(ps, pages[ps], path, args.batch, verify=not args.no_verify),
+        desc="gpu mapping",
+    )
 
     summary = summarize(raw)
-    args.out.mkdir(parents=True, exist_ok=True)
-    csv_path, json_path, png_path = (args.out / f"{args.name}.{ext}" for ext in ("csv", "json", "png"))
-    write_csv(csv_path, summary)
-    write_json(
-        json_path,
+    csv_path, json_path, png_path = write_results(
+        args.out,
+        args.name,
+        summary,
         {
             "meta": meta,
             "config": {
@@ -372,17 +353,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     title = f"{meta['command']}  |  {gpu['device_name']}, driver CUDA {gpu['driver_cuda_version']}, {meta['date']}"
     plot(summary, png_path, title)
 
-    print(
-        f"\n{gpu['device_name']}: {total >> 20} MiB per run, median of {args.reps}\n"
-        f"{'page':>5} {'path':>12} {'mode':>9} {'GB/s':>8} {'map GB/s':>9} {'create us/pg':>13} "
-        f"{'map us/pg':>10} {'unmap us/pg':>12} {'release us/pg':>14}"
+    columns = (
+        *run_columns(12),
+        ("GB/s", "gbps", 8, ".1f"),
+        ("map GB/s", "map_only_gbps", 9, ".1f"),
+        *per_page_columns(".1f", {call: call for call in ("create", "map", "unmap", "release")}),
     )
-    for r in summary:
-        create = f"{r['create_us_per_page']:13.1f}" if r["create_us_per_page"] is not None else f"{'':>13}"
-        print(
-            f"{r['page_label']:>5} {r['path']:>12} {r['mode']:>9} {r['gbps']:8.1f} {r['map_only_gbps']:9.1f} "
-            f"{create} {r['map_us_per_page']:10.1f} {r['unmap_us_per_page']:12.1f} {r['release_us_per_page']:14.1f}"
-        )
+    print_table(summary, columns, f"{gpu['device_name']}: {total >> 20} MiB per run, median of {args.reps}")
     print(f"wrote {csv_path}, {json_path}, {png_path}")
 
 

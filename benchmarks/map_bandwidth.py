@@ -20,7 +20,7 @@ import mmap
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +37,18 @@ from benchmarks._common import (
     command_line,
     machine_facts,
     prewarm_memory,
+    print_table,
     save_figure,
-    write_csv,
-    write_json,
+    write_results,
 )
 from vattn.backends.host import MAP_COUNT_HEADROOM, HostBackend, current_map_count, max_map_count
 from vattn.backends.page_calls import native_available
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 MODES = ("fresh", "recycled")
+
+
+# ---------------------------------------------------------------- shared with gpu_mapping
 
 
 def parse_size(text: str) -> int:
@@ -64,13 +67,6 @@ def size_label(nbytes: int) -> str:
     return str(nbytes)
 
 
-def pages_for_run(page_size: int, total: int) -> int:
-    """Pages of one run: `total` bytes, cut to what vm.max_map_count allows the backend."""
-    pages = max(1, total // page_size)
-    allowed = (max_map_count() - current_map_count() - MAP_COUNT_HEADROOM - 1) // 2 - 64
-    return min(pages, allowed)
-
-
 def batched(items: Sequence[int], size: int) -> list[Sequence[int]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
@@ -81,6 +77,117 @@ def timed_batches(call: Callable[[Sequence[int]], Any], batches: list[Sequence[i
     for batch in batches:
         call(batch)
     return time.perf_counter() - started
+
+
+def run_fields(page_size: int, path: str, mode: str, pages: int, batch: int) -> dict[str, Any]:
+    """The leading columns of one mapping run's row: what was mapped, how, in what batches."""
+    return {
+        "page_size": page_size,
+        "page_label": size_label(page_size),
+        "path": path,
+        "mode": mode,
+        "pages": pages,
+        "bytes": pages * page_size,
+        "batch": batch,
+    }
+
+
+def repeated_runs(
+    reps: int,
+    page_sizes: Sequence[int],
+    paths: Sequence[str],
+    run: Callable[[int, str], list[dict[str, Any]]],
+    desc: str,
+) -> list[dict[str, Any]]:
+    """`run(page_size, path)` for every repetition x page size x call path (a progress bar over
+    them); its rows, each tagged with its repetition as "rep"."""
+    raw: list[dict[str, Any]] = []
+    jobs = [(rep, ps, path) for rep in range(reps) for ps in page_sizes for path in paths]
+    for rep, ps, path in tqdm(jobs, desc=desc, unit="run"):
+        raw += [{"rep": rep, **row} for row in run(ps, path)]
+    return raw
+
+
+def summarize_runs(raw: list[dict[str, Any]], timings: Sequence[str], per_page: Sequence[str]) -> list[dict[str, Any]]:
+    """Median of every timing over the repetitions of each (page size, path, mode).
+
+    `timings` are seconds per run, among them "map_s" and "total_s": each gets a
+    `median_<key>` column; GB/s come from the median total (`gbps`, with the runs' min and
+    max), the median map (`map_only_gbps`) and each other timing (`<name>_gbps`, None
+    where its median is 0). `per_page` columns are medians over the runs that have them.
+    """
+    groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
+    for row in raw:
+        groups.setdefault((row["page_size"], row["path"], row["mode"]), []).append(row)
+    summary = []
+    for (page_size, path, mode), rows in sorted(groups.items()):
+        nbytes = rows[0]["bytes"]
+        med = {key: statistics.median(r[key] for r in rows) for key in timings}
+        out: dict[str, Any] = {
+            "page_size": page_size,
+            "page_label": size_label(page_size),
+            "path": path,
+            "mode": mode,
+            "pages": rows[0]["pages"],
+            "bytes": nbytes,
+            "reps": len(rows),
+            **{f"median_{key}": value for key, value in med.items()},
+            "gbps": nbytes / med["total_s"] / 1e9,
+            "gbps_min": min(r["gbps"] for r in rows),
+            "gbps_max": max(r["gbps"] for r in rows),
+            "map_only_gbps": nbytes / med["map_s"] / 1e9,
+        }
+        for key in timings:
+            if key not in ("map_s", "total_s"):
+                out[f"{key.removesuffix('_s')}_gbps"] = nbytes / med[key] / 1e9 if med[key] else None
+        for key in per_page:
+            values = [r[key] for r in rows if r.get(key) is not None]
+            out[key] = statistics.median(values) if values else None
+        summary.append(out)
+    return summary
+
+
+def run_columns(path_width: int) -> list[tuple[str, str, int, str]]:
+    """`print_table` columns naming a summary row: page size, call path, mode."""
+    return [("page", "page_label", 5, ""), ("path", "path", path_width, ""), ("mode", "mode", 9, "")]
+
+
+def per_page_columns(spec: str, calls: Mapping[str, str]) -> list[tuple[str, str, int, str]]:
+    """`print_table` columns "<short> us/pg" of the summary's `<call>_us_per_page`, for each
+    short name -> call, one character wider than their header."""
+    return [(f"{short} us/pg", f"{call}_us_per_page", len(short) + 7, spec) for short, call in calls.items()]
+
+
+def page_size_figure(height: float) -> tuple[Any, Any, Any]:
+    """A figure with a wide bandwidth panel and a narrower per-page-cost panel: (fig, ax, ax_lat)."""
+    fig, (ax, ax_lat) = plt.subplots(1, 2, figsize=(13, height), gridspec_kw={"width_ratios": [3, 2]})
+    return fig, ax, ax_lat
+
+
+def label_page_size_axes(
+    summary: Sequence[Mapping[str, Any]], panels: Sequence[tuple[Any, str, str, Mapping[str, Any]]]
+) -> None:
+    """Each panel `(axis, y label, title, legend options)`: a log-2 page-size x axis ticked at
+    the summary's page sizes, a grid, its labels and its legend."""
+    page_sizes = sorted({row["page_size"] for row in summary})
+    for axis, ylabel, title, legend in panels:
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(page_sizes, [size_label(p) for p in page_sizes])
+        axis.set_xlabel("page size")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.set_ylabel(ylabel)
+        axis.set_title(title)
+        axis.legend(**legend)
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def pages_for_run(page_size: int, total: int) -> int:
+    """Pages of one run: `total` bytes, cut to what vm.max_map_count allows the backend."""
+    pages = max(1, total // page_size)
+    allowed = (max_map_count() - current_map_count() - MAP_COUNT_HEADROOM - 1) // 2 - 64
+    return min(pages, allowed)
 
 
 def one_run(page_size: int, pages: int, native: bool, batch: int) -> list[dict[str, Any]]:
@@ -115,13 +222,7 @@ def one_run(page_size: int, pages: int, native: bool, batch: int) -> list[dict[s
                 unmap_s = timed_batches(backend.unmap, addr_batches)
             rows.append(
                 {
-                    "page_size": page_size,
-                    "page_label": size_label(page_size),
-                    "path": backend.calls.name,
-                    "mode": mode,
-                    "pages": pages,
-                    "bytes": nbytes,
-                    "batch": batch,
+                    **run_fields(page_size, backend.calls.name, mode, pages, batch),
                     "map_s": map_s,
                     "populate_s": populate_s,
                     "total_s": map_s + populate_s,
@@ -186,33 +287,9 @@ def _first_touch(region: mmap.mmap, value: int) -> float:
 
 def summarize(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median of every timing over the repetitions of each (page size, path, mode)."""
-    groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
-    for row in raw:
-        groups.setdefault((row["page_size"], row["path"], row["mode"]), []).append(row)
-    summary = []
-    for (page_size, path, mode), rows in sorted(groups.items()):
-        med = {key: statistics.median(r[key] for r in rows) for key in ("map_s", "populate_s", "total_s")}
-        out: dict[str, Any] = {
-            "page_size": page_size,
-            "page_label": size_label(page_size),
-            "path": path,
-            "mode": mode,
-            "pages": rows[0]["pages"],
-            "bytes": rows[0]["bytes"],
-            "reps": len(rows),
-            **{f"median_{key}": value for key, value in med.items()},
-            "gbps": rows[0]["bytes"] / med["total_s"] / 1e9,
-            "gbps_min": min(r["gbps"] for r in rows),
-            "gbps_max": max(r["gbps"] for r in rows),
-            "map_only_gbps": rows[0]["bytes"] / med["map_s"] / 1e9,
-            "populate_gbps": rows[0]["bytes"] / med["populate_s"] / 1e9,
-            "map_us_per_page": statistics.median(r["map_us_per_page"] for r in rows),
-            "populate_us_per_page": statistics.median(r["populate_us_per_page"] for r in rows),
-        }
-        unmap = [r["unmap_us_per_page"] for r in rows if r["unmap_us_per_page"] is not None]
-        out["unmap_us_per_page"] = statistics.median(unmap) if unmap else None
-        summary.append(out)
-    return summary
+    return summarize_runs(
+        raw, ("map_s", "populate_s", "total_s"), ("map_us_per_page", "populate_us_per_page", "unmap_us_per_page")
+    )
 
 
 def plot(
@@ -222,8 +299,7 @@ def plot(
 
     Populate runs in one thread, so the 1-thread first-touch line is its natural ceiling.
     """
-    fig, (ax, ax_lat) = plt.subplots(1, 2, figsize=(13, 6.4), gridspec_kw={"width_ratios": [3, 2]})
-    page_sizes = sorted({row["page_size"] for row in summary})
+    fig, ax, ax_lat = page_size_figure(6.4)
     styles = {"fresh": "-", "recycled": "--"}
     colors = {"native": "tab:blue", "ctypes": "tab:orange"}
     for path_name in ("native", "ctypes"):
@@ -255,17 +331,14 @@ def plot(
         )
     ax.set_yscale("log")
     ax_lat.set_ylim(bottom=0)
-    for axis in (ax, ax_lat):
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(page_sizes, [size_label(p) for p in page_sizes])
-        axis.set_xlabel("page size")
-        axis.grid(True, which="both", alpha=0.3)
-    ax.set_ylabel("GB/s (bytes / (map + populate))")
-    ax.set_title("physical allocation bandwidth")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
-    ax_lat.set_ylabel("us per page (map call only)")
-    ax_lat.set_title("map latency per page")
-    ax_lat.legend(fontsize=8)
+    below = {"fontsize": 7, "loc": "upper center", "bbox_to_anchor": (0.5, -0.13), "ncol": 2}
+    label_page_size_axes(
+        summary,
+        (
+            (ax, "GB/s (bytes / (map + populate))", "physical allocation bandwidth", below),
+            (ax_lat, "us per page (map call only)", "map latency per page", {"fontsize": 8}),
+        ),
+    )
     save_figure(fig, path, title)
 
 
@@ -307,13 +380,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     meta = {"command": command_line(), **machine_facts()}
     meta["prewarm"] = prewarm_memory(args.prewarm_mib << 20)
-    raw: list[dict[str, Any]] = []
     cpu_map = CpuShare()
-    jobs = [(rep, ps, path) for rep in range(args.reps) for ps in page_sizes for path in paths]
-    for rep, ps, path in tqdm(jobs, desc="map bandwidth", unit="run"):
-        for row in one_run(ps, pages[ps], native=(path == "native"), batch=args.batch):
-            raw.append({"rep": rep, **row})
-
+    raw = repeated_runs(
+        args.reps,
+        page_sizes,
+        paths,
+        lambda ps, path: one_run(ps, pages[ps], native=(path == "native"), batch=args.batch),
+        desc="map bandwidth",
+    )
     meta["cpu_during_mapping"] = cpu_map.stop()
     fills: dict[str, dict[str, float]] = {}
     cpu_fill = CpuShare()
@@ -330,11 +404,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         for nbytes, values in fills.items()
         for key, value in values.items()
     ]
-    args.out.mkdir(parents=True, exist_ok=True)
-    csv_path, json_path, png_path = (args.out / f"{args.name}.{ext}" for ext in ("csv", "json", "png"))
-    write_csv(csv_path, summary + fill_rows)
-    write_json(
-        json_path,
+    csv_path, json_path, png_path = write_results(
+        args.out,
+        args.name,
+        summary + fill_rows,
         {
             "meta": meta,
             "config": {
@@ -354,17 +427,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     title = f"{meta['command']}  |  {meta['cpu_model']}, {meta['nproc']} cores, {meta['date']}"
     plot(summary, fills, args.fill_threads, png_path, title)
 
-    print(
-        f"\n{'page':>5} {'path':>7} {'mode':>9} {'MiB':>5} {'GB/s':>7} {'map GB/s':>9} {'pop GB/s':>9} "
-        f"{'map us/pg':>10} {'pop us/pg':>10} {'unmap us/pg':>12}"
+    columns = (
+        *run_columns(7),
+        ("MiB", "mib", 5, ""),
+        ("GB/s", "gbps", 7, ".2f"),
+        ("map GB/s", "map_only_gbps", 9, ".1f"),
+        ("pop GB/s", "populate_gbps", 9, ".2f"),
+        *per_page_columns(".2f", {"map": "map", "pop": "populate", "unmap": "unmap"}),
     )
-    for r in summary:
-        unmap = f"{r['unmap_us_per_page']:12.2f}" if r["unmap_us_per_page"] is not None else f"{'':>12}"
-        print(
-            f"{r['page_label']:>5} {r['path']:>7} {r['mode']:>9} {r['bytes'] >> 20:>5} {r['gbps']:7.2f} "
-            f"{r['map_only_gbps']:9.1f} {r['populate_gbps']:9.2f} {r['map_us_per_page']:10.2f} "
-            f"{r['populate_us_per_page']:10.2f}{unmap}"
-        )
+    print_table([{**r, "mib": r["bytes"] >> 20} for r in summary], columns)
     for nbytes, values in fills.items():
         print(f"fill {int(nbytes) >> 20} MiB: " + ", ".join(f"{k}={v:.2f} GB/s" for k, v in values.items()))
     if meta["prewarm"]["bytes"]:

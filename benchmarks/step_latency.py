@@ -57,8 +57,7 @@ from benchmarks._common import (
     percentiles,
     prewarm_memory,
     save_figure,
-    write_csv,
-    write_json,
+    write_results,
 )
 from benchmarks.gpu_mapping import exit_unless_cuda, gpu_facts
 from benchmarks.map_bandwidth import parse_size, size_label
@@ -78,6 +77,16 @@ BACKEND_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "page_size": 2 << 20},
 }
 RESULT_NAMES = {"host": "step_latency", "cuda": "gpu_step_latency"}
+CACHE_ARGS = {
+    "num_layers": "layers",
+    "num_kv_heads": "kv_heads",
+    "head_dim": "head_dim",
+    "max_slots": "slots",
+    "dtype": "dtype",
+    "page_size": "page_size",
+    "backend": "backend",
+}
+"""KVCacheConfig field -> the option (attribute of the parsed arguments) that sets it."""
 GPU_MEMORY_HEADROOM = 2 << 30
 """GPU memory left free beside the KV pool (the compute's matrices, the allocator, the driver)."""
 
@@ -208,16 +217,7 @@ def make_config(args: argparse.Namespace, background: bool) -> KVCacheConfig:
     """The cache of the run, its physical budget sized to the run and checked against vm.max_map_count."""
     lengths = initial_lengths(args.slots, args.init_base, args.init_stride)
     max_context = max(lengths) + args.iterations + args.lookahead + 1
-    probe = KVCacheConfig(
-        num_layers=args.layers,
-        num_kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        max_slots=args.slots,
-        max_context=max_context,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        backend=args.backend,
-    )
+    probe = KVCacheConfig(max_context=max_context, **{field: getattr(args, name) for field, name in CACHE_ARGS.items()})
     final = [n + args.iterations + args.lookahead for n in lengths]
     needed = sum(probe.pages_for(min(n, max_context)) for n in final) * probe.num_buffers
     budget_pages = math.ceil(needed * 1.1) + probe.num_buffers
@@ -505,11 +505,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             # with a typical synchronous page step (the median step() that crossed a boundary).
             verdict["p99_ratio_vs_sync_boundary_p50"] = bg["step_us"]["p99"] / sync_boundary["p50"]
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    csv_path, json_path, png_path = (args.out / f"{args.name}.{ext}" for ext in ("csv", "json", "png"))
-    write_csv(csv_path, rows)
     config_args = {k: v for k, v in vars(args).items() if k != "out"}
-    write_json(json_path, {"meta": meta, "args": config_args, "summary": summaries, "verdict": verdict})
+    payload = {"meta": meta, "args": config_args, "summary": summaries, "verdict": verdict}
+    csv_path, json_path, png_path = write_results(args.out, args.name, rows, payload)
     machine = f"{meta['gpu']['device_name']}, " if "gpu" in meta else ""
     title = f"{meta['command']}  |  {machine}{meta['cpu_model']}, {meta['nproc']} cores, {meta['date']}"
     plot(rows, summaries, png_path, title)
