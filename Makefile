@@ -1,5 +1,6 @@
 # `make test` on a fresh machine: creates .venv, installs torch (the CPU wheel, alone and
-# first), the project with its extras, builds the native library, then runs the tests.
+# first), the project with its extras, builds the native library, fetches and converts the
+# default model into a cache directory outside git, then runs the tests.
 
 PYTHON ?= python3
 VENV := .venv
@@ -9,9 +10,9 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 NATIVE := vattn/libvattn_native.so
 
-.PHONY: setup native test lint bench clean
+.PHONY: setup native model test lint bench clean
 
-setup: $(STAMP) $(NATIVE)
+setup: $(STAMP) $(NATIVE) model
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +21,10 @@ $(STAMP): pyproject.toml
 	touch $@
 
 native: $(NATIVE)
+
+# The default model, converted once into $$VATTN_CACHE_DIR (default ~/.cache/vattn); a no-op after.
+model: $(STAMP)
+	$(PY) -m serving.model_store
 
 $(NATIVE): native/vattn_native.c
 	cc -O2 -Wall -Wextra -Werror -shared -fPIC -o $@ $< -ldl -lpthread

@@ -1,8 +1,26 @@
-"""The vattn serving engine: a real model on the vattn KV cache with continuous batching."""
+"""The vattn serving engine: a real model on the vattn KV cache with continuous batching.
 
-from serving.engine import EngineConfig, LLMEngine
-from serving.llm import LLM
-from serving.outputs import RequestOutput, StreamDelta
-from serving.sampling_params import SamplingParams
+Names are imported on first use, so `python -m serving.model_store` (part of set-up)
+does not load torch and transformers first.
+"""
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "StreamDelta"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "serving.llm",
+    "EngineConfig": "serving.engine",
+    "LLMEngine": "serving.engine",
+    "RequestOutput": "serving.outputs",
+    "SamplingParams": "serving.sampling_params",
+    "StreamDelta": "serving.outputs",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'serving' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
