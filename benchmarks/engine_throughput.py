@@ -24,7 +24,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from benchmarks._common import RESULTS_DIR, command_line, machine_facts, percentiles, save_figure, write_csv, write_json
+from benchmarks._common import RESULTS_DIR, command_line, machine_facts, percentiles, save_figure
+from benchmarks._common import write_results as common_write_results
 from serving import LLM, SamplingParams
 from serving.model_store import ensure_default_model
 
@@ -168,27 +169,28 @@ def main(argv: Sequence[str] | None = None) -> None:
             }
         )
         print(rows[-1], flush=True)
+        save(rows, prompts, args)
+
+
+def save(rows: list[dict[str, Any]], prompts: list[list[int]], args: argparse.Namespace) -> None:
+    """Writes what has been measured so far (after every system, so a cut-short run keeps it)."""
     by_name = {row["system"]: row["output_tokens_per_s"] for row in rows}
     ratios = {
         f"vattn_over_{other}": round(by_name["vattn"] / by_name[other], 2)
         for other in ("hf_static", "hf_generate_batch")
         if "vattn" in by_name and other in by_name
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / f"{args.name}.csv", rows)
-    write_json(
-        args.out / f"{args.name}.json",
-        {
-            "command": command_line(),
-            "machine": machine_facts(),
-            "settings": {k: str(v) for k, v in vars(args).items()},
-            "prompt_tokens": sum(map(len, prompts)),
-            "rows": rows,
-            "ratios": ratios,
-        },
-    )
-    plot(rows, args.out / f"{args.name}.png", f"{args.requests} requests, {args.output_tokens} tokens, {args.dtype}")
-    print("ratios:", ratios)
+    payload = {
+        "command": command_line(),
+        "machine": machine_facts(),
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "prompt_tokens": sum(map(len, prompts)),
+        "rows": rows,
+        "ratios": ratios,
+    }
+    _, _, png = common_write_results(args.out, args.name, rows, payload)
+    plot(rows, png, f"{args.requests} requests, {args.output_tokens} tokens, {args.dtype}")
+    print("ratios:", ratios, flush=True)
 
 
 if __name__ == "__main__":
