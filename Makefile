@@ -1,3 +1,5 @@
+# `make serve` on a fresh machine: sets up as below if needed, then serves the default model
+# on 127.0.0.1:8000 (OpenAI-compatible API; `.venv/bin/vattn serve --help` lists the options).
 # `make test` on a fresh machine: creates .venv, installs torch (the CPU wheel, alone and
 # first), the project with its extras, builds the native library, fetches and converts the
 # default model into a cache directory outside git, then runs the tests.
@@ -10,7 +12,7 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 NATIVE := vattn/libvattn_native.so
 
-.PHONY: setup native model test lint bench clean
+.PHONY: setup native model serve test lint bench clean
 
 setup: $(STAMP) $(NATIVE) model
 
@@ -28,6 +30,9 @@ model: $(STAMP)
 
 $(NATIVE): native/vattn_native.c
 	cc -O2 -Wall -Wextra -Werror -shared -fPIC -o $@ $< -ldl -lpthread
+
+serve: setup
+	$(VENV)/bin/vattn serve $(SERVE_ARGS)
 
 test: setup
 	$(PY) -m pytest -q

@@ -8,12 +8,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from serving.chat_template import chat_prompt_ids
 from serving.engine import EngineConfig, LLMEngine
 from serving.outputs import RequestOutput, StreamDelta
 from serving.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-ROLES = ("system", "user", "assistant")
 
 
 class LLM:
@@ -64,15 +64,7 @@ class LLM:
 
     def chat_prompt(self, messages: Seq[Mapping[str, str]]) -> list[int]:
         """Token ids of a conversation with the assistant's turn opened."""
-        if not isinstance(messages, list | tuple) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
-        for message in messages:
-            if not isinstance(message, Mapping) or message.get("role") not in ROLES:
-                raise ValueError(f"each message needs a role among {ROLES}, got {message!r}")
-            if not isinstance(message.get("content"), str):
-                raise ValueError(f"each message needs string content, got {message!r}")
-        rendered = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(rendered, add_special_tokens=False)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def close(self) -> None:
         self.engine.close()

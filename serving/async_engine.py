@@ -1,0 +1,279 @@
+"""The engine on a thread of its own, so that the event loop only submits and awaits.
+
+The engine thread owns the LLMEngine: it loads the model, then loops: run the commands
+the event loop posted (add a request group, abort one), step once, and hand each delta to
+its request's asyncio queue. The event loop never waits on a model iteration, and an
+abort posted before an iteration starts takes effect before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import Sequence as Seq
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from serving.engine import EngineConfig, LLMEngine
+from serving.metrics import ServerMetrics
+from serving.outputs import StreamDelta
+from serving.sampling_params import SamplingParams
+
+log = logging.getLogger("vattn.serve")
+T = TypeVar("T")
+
+
+class NotReadyError(Exception):
+    """The model is still loading, failed to load, or the engine has stopped."""
+
+
+class OverloadedError(Exception):
+    """The queue of accepted requests is full; the client should retry later."""
+
+    retry_after = 1
+
+
+@dataclass
+class _Request:
+    """A request as the engine thread delivers it: which choice it is and where its deltas go."""
+
+    index: int
+    group: asyncio.Queue[tuple[int, StreamDelta] | BaseException]
+    loop: asyncio.AbstractEventLoop
+    arrival: float
+    last_token: float | None = None
+
+
+class RequestGroup:
+    """Requests submitted together (a prompt's n choices, or several prompts), as one stream.
+
+    `close()` (also at the end of `deltas()`, however it ends) aborts what is unfinished
+    and gives the group's places in the queue back; calling it again does nothing.
+    """
+
+    def __init__(
+        self, engine: AsyncEngine, request_ids: list[str], queue: asyncio.Queue[tuple[int, StreamDelta] | BaseException]
+    ) -> None:
+        self._engine = engine
+        self._queue = queue
+        self._size = len(request_ids)
+        self.unfinished = set(request_ids)
+        self.closed = False
+
+    async def deltas(self) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """(choice index, delta) as the engine produces them, until every request has finished."""
+        try:
+            while self.unfinished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                index, delta = item
+                if delta.finished:
+                    self.unfinished.discard(delta.request_id)
+                yield index, delta
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._engine.num_pending -= self._size
+        if self.unfinished:
+            self._engine.abort(set(self.unfinished))
+
+
+class AsyncEngine:
+    """LLMEngine behind a thread. `max_pending` bounds accepted, unfinished requests."""
+
+    def __init__(self, config: EngineConfig, max_pending: int, metrics: ServerMetrics) -> None:
+        self.config = config
+        self.max_pending = max_pending
+        self.metrics = metrics
+        self.engine: LLMEngine | None = None
+        self.tokenizer: Any = None
+        """The event loop's own copy, so that tokenizing never shares state with the engine thread."""
+        self.load_error: BaseException | None = None
+        self.num_pending = 0
+        """Requests accepted and not finished (changed only on the event loop)."""
+        self._loaded = threading.Event()
+        """Set once loading has ended, well or not."""
+        self._stopping = False
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._requests: dict[str, _Request] = {}
+        """Owned by the engine thread."""
+        self._thread = threading.Thread(target=self._run, name="vattn-engine", daemon=True)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and not self._stopping and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Waits for the model to load; False if it failed, or did not load in time."""
+        self._loaded.wait(timeout)
+        return self.ready
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._loaded.set()
+
+    # ------------------------------------------------------------- event loop side
+
+    async def submit(self, prompts: Seq[list[int]], params: Seq[SamplingParams]) -> RequestGroup:
+        """Queues prompt i with params i, all or none (bad input raises ValueError, as the engine does)."""
+        if not self.ready:
+            raise NotReadyError(self._not_ready_reason())
+        if self.num_pending + len(prompts) > self.max_pending:
+            raise OverloadedError(f"the server has {self.num_pending} requests in progress (limit {self.max_pending})")
+        loop = asyncio.get_running_loop()
+        group: asyncio.Queue[tuple[int, StreamDelta] | BaseException] = asyncio.Queue()
+        arrival = time.monotonic()
+        self.num_pending += len(prompts)
+        try:
+            ids = await asyncio.wrap_future(
+                self.call(lambda engine: self._add_group(engine, prompts, params, group, loop, arrival))
+            )
+        except BaseException:
+            self.num_pending -= len(prompts)
+            raise
+        return RequestGroup(self, ids, group)
+
+    def abort(self, request_ids: set[str]) -> None:
+        """Ends requests before the engine's next iteration and frees their slots."""
+        self._post(lambda engine: self._abort(engine, request_ids))
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Runs fn(engine) on the engine thread before its next iteration."""
+        future: Future[T] = Future()
+
+        def command(engine: LLMEngine) -> None:
+            try:
+                future.set_result(fn(engine))
+            except BaseException as error:
+                future.set_exception(error)
+
+        self._post(command)
+        return future
+
+    def _post(self, command: Callable[[LLMEngine], None]) -> None:
+        self._commands.put(lambda: command(self.engine))  # type: ignore[arg-type]
+        self._wakeup.set()
+
+    def _not_ready_reason(self) -> str:
+        if self.load_error is not None:
+            return f"the model failed to load: {self.load_error}"
+        return "the server is stopping" if self._stopping else "the model is still loading"
+
+    # ------------------------------------------------------------- engine thread side
+
+    def _add_group(
+        self,
+        engine: LLMEngine,
+        prompts: Seq[list[int]],
+        params: Seq[SamplingParams],
+        group: asyncio.Queue[tuple[int, StreamDelta] | BaseException],
+        loop: asyncio.AbstractEventLoop,
+        arrival: float,
+    ) -> list[str]:
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(engine.add_request(prompt, p))
+        except ValueError:
+            self._abort(engine, ids)
+            raise
+        for index, request_id in enumerate(ids):
+            self._requests[request_id] = _Request(index, group, loop, arrival)
+        self.metrics.prompt_tokens.inc(sum(map(len, prompts)))
+        return ids
+
+    def _abort(self, engine: LLMEngine, request_ids: Collection[str]) -> None:
+        for request_id in request_ids:
+            self._requests.pop(request_id, None)
+            try:
+                engine.abort(request_id)
+                engine.result(request_id)
+            except KeyError:
+                pass  # finished in the iteration before the abort arrived
+
+    def _run(self) -> None:
+        try:
+            engine = LLMEngine(self.config)
+            self.tokenizer = copy.deepcopy(engine.tokenizer)
+            self.metrics.update(engine)
+            self.engine = engine
+        except BaseException as error:
+            self.load_error = error
+            log.exception("the model failed to load")
+            return
+        finally:
+            self._loaded.set()
+        try:
+            while not self._stopping:
+                self._wakeup.clear()
+                self._run_commands()
+                if not engine.has_unfinished():
+                    self.metrics.update(engine)
+                    self._wakeup.wait()
+                    continue
+                try:
+                    deltas = engine.step()
+                except Exception as error:  # a bug, not bad input: fail what runs, keep serving
+                    log.exception("an engine iteration failed; aborting its requests")
+                    self._fail_all(engine, error)
+                    continue
+                self._deliver(engine, deltas)
+                self.metrics.update(engine)
+        finally:
+            self._fail_all(engine, NotReadyError("the server is stopping"))
+            engine.close()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _deliver(self, engine: LLMEngine, deltas: list[StreamDelta]) -> None:
+        now = time.monotonic()
+        for delta in deltas:
+            request = self._requests.get(delta.request_id)
+            if request is None:
+                continue
+            if delta.token_ids:
+                self.metrics.observe_tokens(request.arrival, request.last_token, now, len(delta.token_ids))
+                request.last_token = now
+            if delta.finished:
+                del self._requests[delta.request_id]
+                engine.result(delta.request_id)
+                self.metrics.observe_finish(request.arrival, now, delta.finish_reason)
+            _send(request, (request.index, delta))
+
+    def _fail_all(self, engine: LLMEngine, error: BaseException) -> None:
+        requests, self._requests = self._requests, {}
+        for request_id, request in requests.items():
+            engine.abort(request_id)
+            engine.result(request_id)
+            _send(request, error)
+
+
+def _send(request: _Request, item: tuple[int, StreamDelta] | BaseException) -> None:
+    """Hands an item to the request's event loop; a loop already closed has no one to tell."""
+    with contextlib.suppress(RuntimeError):
+        request.loop.call_soon_threadsafe(request.group.put_nowait, item)

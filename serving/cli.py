@@ -1,0 +1,99 @@
+"""`vattn serve`: the OpenAI-compatible server on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+from collections.abc import Sequence
+
+from serving.engine import EngineConfig
+
+UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def size(text: str) -> int:
+    """Bytes from '65536', '64K', '64KiB', '1G', '512MB' (binary units)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(i?b)?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 65536, 64K, 512MiB or 1G")
+    return int(match[1]) * UNITS[match[2]]
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    defaults = EngineConfig()
+    root = argparse.ArgumentParser(prog="vattn", description="vattn: LLM serving on a virtual-memory KV cache")
+    commands = root.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve.add_argument("--model", help="safetensors folder or .gguf file (default: SmolLM2-135M-Instruct, fetched)")
+    serve.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's name)")
+    serve.add_argument("--dtype", default=defaults.dtype, choices=("float32", "bfloat16", "float16"))
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the server")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--page-size", type=size, default=defaults.page_size, help="physical KV page size")
+    serve.add_argument("--max-slots", type=positive, default=defaults.max_slots, help="requests running at once")
+    serve.add_argument(
+        "--max-context", type=positive, default=defaults.max_context, help="prompt + output tokens per request"
+    )
+    serve.add_argument(
+        "--max-batched-tokens", type=positive, default=defaults.max_batched_tokens, help="tokens per iteration"
+    )
+    serve.add_argument("--kv-budget", type=size, default=defaults.kv_budget, help="physical bytes for the KV cache")
+    serve.add_argument("--backend", default=defaults.backend, choices=("host", "cuda"))
+    serve.add_argument("--kernel", default=defaults.kernel, help="attention kernel (sdpa, flash_attn, flashinfer_*)")
+    serve.add_argument("--max-queue", type=int, default=256, help="requests that may wait; more get 429")
+    serve.add_argument("--max-body-size", type=size, default=1 << 20, help="largest request body")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("VATTN_API_KEY"),
+        help="require 'Authorization: Bearer <key>' on /v1/* (default: $VATTN_API_KEY; none: open)",
+    )
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return root
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from serving.api_server import ServerSettings, build_app
+
+    settings = ServerSettings(
+        engine=EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            max_slots=args.max_slots,
+            max_context=args.max_context,
+            max_batched_tokens=args.max_batched_tokens,
+            kv_budget=args.kv_budget,
+            page_size=args.page_size,
+            backend=args.backend,
+            kernel=args.kernel,
+        ),
+        model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_size,
+        host=args.host,
+        port=args.port,
+    )
+    uvicorn.run(build_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

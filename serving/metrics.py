@@ -1,0 +1,129 @@
+"""Prometheus metrics of the server: requests, tokens, latencies, and the allocator's own figures.
+
+Latencies and token totals are recorded by the engine thread as deltas go out. Gauges and
+the allocator's counters come from a snapshot the engine thread takes after each
+iteration, so a scrape never reaches into the engine while it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from serving.engine import LLMEngine
+from vattn.stats import CacheStats
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    running: int
+    waiting: int
+    preemptions: int
+    memory_budget: int
+    cache: CacheStats
+
+
+class ServerMetrics(Collector):
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.prompt_tokens = Counter("vattn:prompt_tokens", "Prompt tokens accepted.", registry=self.registry)
+        self.generation_tokens = Counter("vattn:generation_tokens", "Tokens generated.", registry=self.registry)
+        self.finished = Counter(
+            "vattn:request_success", "Requests ended, by finish reason.", ["finished_reason"], registry=self.registry
+        )
+        self.ttft = Histogram(
+            "vattn:time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "vattn:inter_token_latency_seconds",
+            "Time between a request's successive generated tokens.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "vattn:e2e_request_latency_seconds",
+            "Arrival to the last token.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._snapshot: EngineSnapshot | None = None
+        self.registry.register(self)
+
+    # ------------------------------------------------------------- engine thread
+
+    def update(self, engine: LLMEngine) -> None:
+        scheduler = engine.scheduler
+        self._snapshot = EngineSnapshot(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            preemptions=scheduler.preemptions,
+            memory_budget=engine.cache.config.pool_pages * engine.cache.config.page_size,
+            cache=engine.cache.stats(),
+        )
+
+    def observe_tokens(self, arrival: float, last_token: float | None, now: float, count: int) -> None:
+        """`count` tokens of one request came out at `now`."""
+        self.generation_tokens.inc(count)
+        if last_token is None:
+            self.ttft.observe(now - arrival)
+        else:
+            self.inter_token.observe((now - last_token) / count)
+
+    def observe_finish(self, arrival: float, now: float, reason: str | None) -> None:
+        self.e2e.observe(now - arrival)
+        self.finished.labels(reason or "unknown").inc()
+
+    # ------------------------------------------------------------- scrape side
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def describe(self) -> list[Metric]:
+        return []  # values appear once the model has loaded
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot
+        if snap is None:
+            return
+        cache, counters = snap.cache, snap.cache.counters
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"vattn:{name}", doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"vattn:{name}", doc, value=value)
+
+        yield gauge("num_requests_running", "Requests holding a KV slot.", snap.running)
+        yield gauge("num_requests_waiting", "Requests queued for a KV slot.", snap.waiting)
+        usage = cache.active_bytes / snap.memory_budget
+        yield gauge("kv_cache_usage_perc", "Active KV bytes over the KV budget.", usage)
+        yield counter("num_preemptions", "Requests preempted (recomputed later).", snap.preemptions)
+        yield gauge("kv_mapped_bytes", "Physical bytes mapped behind KV slots.", cache.mapped_bytes)
+        yield gauge("kv_active_bytes", "Mapped bytes of running requests.", cache.active_bytes)
+        yield gauge("kv_idle_bytes", "Mapped bytes kept by free slots (deferred reclamation).", cache.idle_bytes)
+        yield gauge("kv_waste_bytes", "Mapped bytes that hold no token.", cache.waste_bytes)
+        yield gauge("kv_free_pages", "Physical pages in the pool, unmapped.", cache.free_bytes // cache.page_size)
+        yield gauge("kv_pool_pages", "Physical pages the KV budget allows.", cache.pool_pages)
+        yield gauge("kv_active_slots", "KV slots (reqids) in use.", cache.active_slots)
+        needs = CounterMetricFamily(
+            "vattn:kv_page_needs", "Pages a step needed, by who had mapped them.", labels=["met_by"]
+        )
+        needs.add_metric(["background"], counters.needs_met_by_background)
+        needs.add_metric(["reuse"], counters.needs_met_by_reuse)
+        needs.add_metric(["step"], counters.needs_mapped_in_step)
+        yield needs
+        yield counter("kv_map_calls", "Batched map calls to the VMM backend.", counters.map_calls)
+        yield counter("kv_pages_mapped", "Pages mapped.", counters.map_pages)
+        yield counter("kv_pages_unmapped", "Pages unmapped.", counters.unmap_pages)
+        yield counter("kv_map_seconds", "Time spent mapping.", counters.map_seconds)
+        yield counter("kv_background_errors", "Background mapper failures.", cache.background_errors)

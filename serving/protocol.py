@@ -1,0 +1,94 @@
+"""The OpenAI API's request and response bodies (the subset vattn serves), as pydantic models.
+
+Field types are checked here; ranges are checked by SamplingParams and the server, so
+each rule lives in one place and its message names the field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from serving.chat_template import ROLES
+
+MAX_N = 8
+"""Most choices one request may ask for (n), over all its prompts."""
+
+
+class OpenAIBody(BaseModel):
+    # unknown fields are ignored, as OpenAI and vLLM do; `user`, `metadata`... pass through
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIBody):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIBody):
+    """Fields both endpoints share. top_k, ignore_eos and stop_token_ids are vLLM's extensions."""
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: Literal[False] = False
+
+
+class TextPart(OpenAIBody):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBody):
+    role: Literal[ROLES]  # type: ignore[valid-type]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
