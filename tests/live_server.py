@@ -1,0 +1,70 @@
+"""A real uvicorn server on a loopback port, in this process, for tests to talk to over HTTP."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from serving.api_server import ServerSettings, build_app
+from serving.async_engine import AsyncEngine
+from serving.engine import EngineConfig, LLMEngine
+
+MiB = 1 << 20
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LiveServer:
+    url: str
+    engine: AsyncEngine
+    settings: ServerSettings
+
+    def on_engine(self, fn: Any, timeout: float = 60) -> Any:
+        """Runs fn(engine) on the engine thread (between iterations) and returns its result."""
+        return self.engine.call(fn).result(timeout)
+
+    def pages_back_in_pool(self) -> tuple[int, int, int]:
+        """(free slots, free pages, pool pages) once idle slots give their pages back."""
+
+        def release(engine: LLMEngine) -> tuple[int, int, int]:
+            cache = engine.cache
+            assert cache.stats().active_bytes == 0
+            cache.wait_for_background()
+            cache.release_idle()
+            return cache.num_free_slots(), cache.num_free_pages(), cache.stats().pool_pages
+
+        return self.on_engine(release)
+
+
+@contextmanager
+def live_server(wait_ready: bool = True, **overrides: Any) -> Iterator[LiveServer]:
+    """Serves the default model; keyword arguments are ServerSettings fields or EngineConfig fields."""
+    engine_fields = {k: overrides.pop(k) for k in list(overrides) if k in EngineConfig.__dataclass_fields__}
+    engine_config = EngineConfig(**{"max_slots": 8, "max_context": 256, "kv_budget": 64 * MiB, **engine_fields})
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    settings = ServerSettings(engine=engine_config, port=port, **overrides)
+    app = build_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        engine: AsyncEngine = app.state.engine
+        while not server.started:
+            assert thread.is_alive(), "uvicorn did not start"
+            threading.Event().wait(0.05)
+        if wait_ready:
+            assert engine.wait_ready(120), f"the model did not load: {engine.load_error}"
+        yield LiveServer(f"http://127.0.0.1:{port}", engine, settings)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

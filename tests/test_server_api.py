@@ -1,0 +1,166 @@
+"""The OpenAI API as the real `openai` client sees it, against a live uvicorn server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.live_server import MODEL, LiveServer, live_server
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with live_server() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models_and_health(server: LiveServer, client: openai.OpenAI) -> None:
+    assert [model.id for model in client.models.list()] == [MODEL]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_completion_is_greedy_and_counts_tokens(client: openai.OpenAI) -> None:
+    first = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    choice = first.choices[0]
+    assert choice.text.startswith(" Paris") and choice.text == again.choices[0].text
+    assert choice.finish_reason == "length"
+    assert first.usage is not None and first.usage.completion_tokens == 8 and first.usage.prompt_tokens == 5
+    assert first.object == "text_completion" and first.id.startswith("cmpl-")
+
+
+def test_token_id_prompts_and_several_prompts(client: openai.OpenAI) -> None:
+    ids = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0)
+    assert ids.choices[0].logprobs is not None
+    both = client.completions.create(model=MODEL, prompt=[PROMPT, "1, 2, 3, 4,"], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert both.choices[0].text == both.choices[1].text and both.choices[0].text.startswith(" Paris")
+    assert both.choices[2].text.startswith(" 5")
+
+
+def test_chat_answers_through_the_template(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].message.role == "assistant" and reply.object == "chat.completion"
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streams_join_to_the_whole_text(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    chat = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0, stream=True))
+    assert chat[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat)
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    assert streamed == reply.choices[0].message.content
+
+
+def test_raw_stream_ends_with_done(server: LiveServer) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_stop_strings_cut_the_text(client: openai.OpenAI) -> None:
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=["."])
+    assert stopped.choices[0].text == plain.split(".")[0] and stopped.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=".", stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == stopped.choices[0].text
+
+
+def test_seeds_reproduce_and_differ(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        reply = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, seed=seed)
+        return reply.choices[0].text
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+    chat = [
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, seed=3, temperature=1.2)
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    ]
+    assert chat[0] == chat[1]
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 4
+    assert all(len(entry.top_logprobs) == 3 and entry.logprob <= 0 for entry in content)
+    assert "".join(entry.token for entry in content) == reply.choices[0].message.content
+
+
+def test_metrics_show_requests_tokens_and_the_allocator(server: LiveServer, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in (
+        "vattn:num_requests_running",
+        "vattn:num_requests_waiting",
+        "vattn:kv_cache_usage_perc",
+        "vattn:prompt_tokens_total",
+        "vattn:generation_tokens_total",
+        "vattn:time_to_first_token_seconds_bucket",
+        "vattn:inter_token_latency_seconds_bucket",
+        "vattn:e2e_request_latency_seconds_count",
+        "vattn:num_preemptions_total",
+        "vattn:kv_mapped_bytes",
+        "vattn:kv_free_pages",
+        "vattn:kv_waste_bytes",
+        'vattn:kv_page_needs_total{met_by="background"}',
+        'vattn:kv_page_needs_total{met_by="step"}',
+    ):
+        assert name in text, name
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["vattn:generation_tokens_total"] >= 4 and values["vattn:kv_mapped_bytes"] > 0
+
+
+def test_api_key_is_required_when_set() -> None:
+    with live_server(api_key="s3cret") as server:
+        assert httpx.get(f"{server.url}/v1/models").status_code == 401
+        wrong = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "invalid_api_key"
+        assert httpx.get(f"{server.url}/health").status_code == 200  # health and metrics stay open
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
+        assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_not_ready_is_503() -> None:
+    with live_server(wait_ready=False, kv_budget=1 << 20) as server:  # too small: the engine refuses to start
+        server.engine.wait_ready(120)
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 503 and "failed to load" in health.json()["error"]["message"]
+        body = {"model": MODEL, "prompt": PROMPT}
+        assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 503
