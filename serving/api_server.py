@@ -462,9 +462,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
             return error_response(400, message, "invalid_request_error")
-        param = ".".join(where) or None
-        message = f"{param}: {first.get('msg')}" if param else f"the body: {first.get('msg')}"
-        return error_response(400, message, "invalid_request_error", param)
+        if not where:
+            return error_response(400, "the body must be a JSON object (application/json)", "invalid_request_error")
+        param = ".".join(where)
+        return error_response(400, f"{param}: {first.get('msg')}", "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

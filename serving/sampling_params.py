@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from vattn.config import _is_int
 
+GREEDY_BELOW = 1e-5
+
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
@@ -15,7 +17,7 @@ def _is_number(value: object) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """vLLM's names and defaults. temperature 0 is greedy; top_k 0 means no top-k cut."""
+    """vLLM's names and defaults. temperature 0 (below 1e-5) is greedy; top_k 0 means no top-k cut."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -39,8 +41,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, tuple | list) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
@@ -54,4 +56,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures this small are argmax in all but name (and would overflow the softmax)."""
+        return self.temperature < GREEDY_BELOW
