@@ -194,7 +194,9 @@ class AsyncEngine:
             for prompt, p in zip(prompts, params, strict=True):
                 ids.append(engine.add_request(prompt, p))
         except ValueError:
-            self._abort(engine, ids)
+            for request_id in ids:  # all or none: withdraw those queued before the bad one
+                engine.abort(request_id)
+                engine.result(request_id)
             raise
         for index, request_id in enumerate(ids):
             self._requests[request_id] = _Request(index, group, loop, arrival)
@@ -203,12 +205,12 @@ class AsyncEngine:
 
     def _abort(self, engine: LLMEngine, request_ids: Collection[str]) -> None:
         for request_id in request_ids:
-            self._requests.pop(request_id, None)
-            try:
-                engine.abort(request_id)
-                engine.result(request_id)
-            except KeyError:
-                pass  # finished in the iteration before the abort arrived
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                continue  # finished in the iteration before the abort arrived, or never added
+            engine.abort(request_id)
+            engine.result(request_id)
+            self.metrics.observe_finish(request.arrival, time.monotonic(), "abort")
 
     def _run(self) -> None:
         try:
