@@ -1,0 +1,225 @@
+"""Load generator for the HTTP server: Poisson arrivals at several request rates.
+
+Sends seeded prompts to `/v1/completions` with `stream: true` (the real `openai` client)
+and times every chunk. Reported per rate: request throughput, output tokens/s, and per
+request time to first token (TTFT), time per output token after the first (TPOT) and
+inter-token latency (ITL, the gaps between chunks), p50/p99.
+
+Without --url it starts `vattn serve` as a subprocess on a free loopback port first.
+
+    python -m benchmarks.serving_load [--rates 0.5,1,2,inf] [--requests 48] [--output-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import httpx
+import matplotlib
+import openai
+from tqdm import tqdm
+
+from benchmarks._common import RESULTS_DIR, CpuShare, command_line, machine_facts, percentiles, print_table, save_figure
+from benchmarks._common import write_results as common_write_results
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "a",
+    "to",
+    "in",
+    "is",
+    "you",
+    "that",
+    "it",
+    "he",
+    "was",
+    "for",
+    "on",
+    "are",
+    "as",
+    "with",
+    "his",
+    "they",
+    "at",
+    "be",
+    "this",
+    "have",
+    "from",
+]
+
+
+@dataclass
+class Timing:
+    sent: float
+    chunks: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+def make_prompts(count: int, shortest: int, longest: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(WORDS, k=rng.randint(shortest, longest))) for _ in range(count)]
+
+
+async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, output_tokens: int) -> Timing:
+    timing = Timing(time.perf_counter())
+    stream = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=output_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            timing.chunks.append(time.perf_counter())
+        if chunk.usage is not None:
+            timing.tokens = chunk.usage.completion_tokens
+    return timing
+
+
+async def run_rate(url: str, model: str, prompts: list[str], rate: float, args: argparse.Namespace) -> dict[str, Any]:
+    """Sends every prompt, arrivals a Poisson process at `rate` per second (inf: all at once)."""
+    rng = random.Random(args.seed)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=args.api_key or "none", max_retries=0, timeout=3600)
+    bar = tqdm(total=len(prompts), desc=f"rate {rate}/s", unit="req")
+
+    async def arrive(delay: float, prompt: str) -> Timing:
+        await asyncio.sleep(delay)
+        timing = await one_request(client, model, prompt, args.output_tokens)
+        bar.update()
+        return timing
+
+    delays, clock = [], 0.0
+    for _ in prompts:
+        delays.append(clock)
+        clock += 0.0 if math.isinf(rate) else rng.expovariate(rate)
+    cpu = CpuShare()
+    started = time.perf_counter()
+    timings = await asyncio.gather(*(arrive(d, p) for d, p in zip(delays, prompts, strict=True)))
+    elapsed = time.perf_counter() - started
+    bar.close()
+    await client.close()
+    assert all(t.tokens == args.output_tokens for t in timings), "a request came back short"
+    ttft = percentiles([t.chunks[0] - t.sent for t in timings])
+    tpot = percentiles([(t.chunks[-1] - t.chunks[0]) / (t.tokens - 1) for t in timings])
+    itl = percentiles([later - earlier for t in timings for earlier, later in pairwise(t.chunks)])
+    return {
+        "request_rate": rate,
+        "requests": len(timings),
+        "seconds": round(elapsed, 2),
+        "requests_per_s": round(len(timings) / elapsed, 3),
+        "output_tokens_per_s": round(sum(t.tokens for t in timings) / elapsed, 2),
+        "ttft_p50_s": round(ttft["p50"], 3),
+        "ttft_p99_s": round(ttft["p99"], 3),
+        "tpot_p50_ms": round(tpot["p50"] * 1e3, 1),
+        "tpot_p99_ms": round(tpot["p99"] * 1e3, 1),
+        "itl_p50_ms": round(itl["p50"] * 1e3, 1),
+        "itl_p99_ms": round(itl["p99"] * 1e3, 1),
+        "other_cpu_share": round(cpu.stop()["other_share"], 3),
+    }
+
+
+@contextmanager
+def local_server(args: argparse.Namespace) -> Iterator[str]:
+    """`vattn serve` in a subprocess on a free port, until it answers /health."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), *args.serve_args.split()]
+    process = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert process.poll() is None, "vattn serve exited"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    labels = [str(row["request_rate"]) for row in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    axes[0].bar(labels, [row["output_tokens_per_s"] for row in rows], color="tab:green")
+    axes[0].set_ylabel("output tokens/s")
+    for ax, key, label in ((axes[1], "ttft", "TTFT (s)"), (axes[2], "itl", "inter-token latency (ms)")):
+        unit = "s" if key == "ttft" else "ms"
+        ax.plot(labels, [row[f"{key}_p50_{unit}"] for row in rows], "o-", label="p50")
+        ax.plot(labels, [row[f"{key}_p99_{unit}"] for row in rows], "s--", label="p99")
+        ax.set_ylabel(label)
+        ax.legend()
+    for ax in axes:
+        ax.set_xlabel("request rate (req/s)")
+    save_figure(fig, path, title)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", help="a running server; default: start `vattn serve` here")
+    parser.add_argument("--serve-args", default="--max-slots 32 --max-context 1024", help="for the started server")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--api-key")
+    parser.add_argument("--rates", default="0.5,1,2,inf", help="requests per second; inf sends all at once")
+    parser.add_argument("--requests", type=int, default=48, help="requests per rate")
+    parser.add_argument("--shortest", type=int, default=16, help="shortest prompt, words")
+    parser.add_argument("--longest", type=int, default=256, help="longest prompt, words")
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--name", default="serving_load")
+    args = parser.parse_args(argv)
+
+    prompts = make_prompts(args.requests, args.shortest, args.longest, args.seed)
+    rows = []
+    with local_server(args) if args.url is None else nullcontext(args.url) as url:
+        for rate in (float(r) for r in args.rates.split(",")):
+            rows.append(asyncio.run(run_rate(url, args.model, prompts, rate, args)))
+            payload = {"command": command_line(), "machine": machine_facts(), "settings": vars(args), "rows": rows}
+            _, _, png = common_write_results(args.out, args.name, rows, payload)
+            plot(rows, png, f"{args.requests} requests/rate, {args.output_tokens} output tokens, streaming")
+    print_table(
+        rows,
+        [
+            ("rate/s", "request_rate", 7, ""),
+            ("req/s", "requests_per_s", 7, ".2f"),
+            ("tok/s", "output_tokens_per_s", 8, ".1f"),
+            ("TTFT p50", "ttft_p50_s", 9, ".2f"),
+            ("TTFT p99", "ttft_p99_s", 9, ".2f"),
+            ("TPOT p50", "tpot_p50_ms", 9, ".0f"),
+            ("TPOT p99", "tpot_p99_ms", 9, ".0f"),
+            ("ITL p50", "itl_p50_ms", 8, ".0f"),
+            ("ITL p99", "itl_p99_ms", 8, ".0f"),
+        ],
+        "serving load (TTFT s, TPOT/ITL ms)",
+    )
+
+
+if __name__ == "__main__":
+    main()
