@@ -276,12 +276,19 @@ async def _respond(
     group = await _submit(engine, flat_prompts, [p for choices in params for p in choices])
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def close() -> None:  # async, so it runs on the event loop like every other group change
+            group.close()
+
         return StreamingResponse(
-            _sse(shape.stream(group, include_usage)),
-            media_type="text/event-stream",
-            background=BackgroundTask(group.close),
+            _sse(shape.stream(group, include_usage)), media_type="text/event-stream", background=BackgroundTask(close)
         )
-    collected = await _unless_disconnected(request, shape.collect(group))
+    try:
+        collected = await _unless_disconnected(request, shape.collect(group))
+    except NotReadyError as error:
+        raise APIError(503, str(error), "service_unavailable") from error
+    finally:
+        group.close()  # a no-op when collect() ran to its end
     if collected is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     return JSONResponse(collected)
