@@ -128,7 +128,7 @@ def _public_routes(engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
     async def health() -> JSONResponse:
         if engine.ready:
             return JSONResponse({"status": "ok"})
-        return error_response(503, engine._not_ready_reason(), "service_unavailable")
+        return error_response(503, engine.not_ready_reason(), "service_unavailable")
 
     @router.get("/metrics")
     async def prometheus() -> Response:
@@ -196,7 +196,7 @@ def _check_model(requested: str, served: str) -> None:
 
 def _ready(engine: AsyncEngine) -> None:
     if not engine.ready:
-        raise APIError(503, engine._not_ready_reason(), "service_unavailable")
+        raise APIError(503, engine.not_ready_reason(), "service_unavailable")
 
 
 def _completion_prompts(engine: AsyncEngine, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:

@@ -136,7 +136,7 @@ class AsyncEngine:
     async def submit(self, prompts: Seq[list[int]], params: Seq[SamplingParams]) -> RequestGroup:
         """Queues prompt i with params i, all or none (bad input raises ValueError, as the engine does)."""
         if not self.ready:
-            raise NotReadyError(self._not_ready_reason())
+            raise NotReadyError(self.not_ready_reason())
         if self.num_pending + len(prompts) > self.max_pending:
             raise OverloadedError(f"the server has {self.num_pending} requests in progress (limit {self.max_pending})")
         loop = asyncio.get_running_loop()
@@ -173,7 +173,7 @@ class AsyncEngine:
         self._commands.put(lambda: command(self.engine))  # type: ignore[arg-type]
         self._wakeup.set()
 
-    def _not_ready_reason(self) -> str:
+    def not_ready_reason(self) -> str:
         if self.load_error is not None:
             return f"the model failed to load: {self.load_error}"
         return "the server is stopping" if self._stopping else "the model is still loading"

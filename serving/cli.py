@@ -39,8 +39,8 @@ def parser() -> argparse.ArgumentParser:
         "/v1/models, /health, /metrics).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    serve.add_argument("--model", help="safetensors folder or .gguf file (default: SmolLM2-135M-Instruct, fetched)")
-    serve.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's name)")
+    serve.add_argument("--model", help="safetensors folder or .gguf file; None: SmolLM2-135M-Instruct")
+    serve.add_argument("--served-model-name", help="the name clients send as `model`; None: the model's own")
     serve.add_argument("--dtype", default=defaults.dtype, choices=("float32", "bfloat16", "float16"))
     serve.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the server")
     serve.add_argument("--port", type=int, default=8000)
@@ -59,8 +59,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-size", type=size, default=1 << 20, help="largest request body")
     serve.add_argument(
         "--api-key",
-        default=os.environ.get("VATTN_API_KEY"),
-        help="require 'Authorization: Bearer <key>' on /v1/* (default: $VATTN_API_KEY; none: open)",
+        help="require 'Authorization: Bearer <key>' on /v1/*; read from $VATTN_API_KEY when unset",
     )
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return root
@@ -86,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             kernel=args.kernel,
         ),
         model_name=args.served_model_name,
-        api_key=args.api_key,
+        api_key=args.api_key or os.environ.get("VATTN_API_KEY"),  # not a default: --help would print it
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_size,
         host=args.host,

@@ -1,0 +1,65 @@
+"""`vattn serve`: its options, its size arguments, and a real start that logs when ready."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serving.cli import parser, size
+
+VATTN = Path(sys.executable).parent / "vattn"
+
+
+def test_help_lists_every_option() -> None:
+    result = subprocess.run([str(VATTN), "serve", "--help"], capture_output=True, text=True, timeout=60, check=True)
+    for option in ("--model", "--dtype", "--host", "--port", "--page-size", "--max-slots", "--kv-budget", "--api-key"):
+        assert option in result.stdout, option
+
+
+def test_sizes_and_defaults() -> None:
+    assert [size(s) for s in ("65536", "64K", "64KiB", "2M", "1G", "512MB")] == [
+        65536,
+        65536,
+        65536,
+        2 << 20,
+        1 << 30,
+        512 << 20,
+    ]
+    args = parser().parse_args(["serve"])
+    assert args.host == "127.0.0.1" and args.port == 8000 and args.api_key is None
+
+
+@pytest.mark.parametrize("argv", [["serve", "--kv-budget", "lots"], ["serve", "--max-slots", "0"], ["serve", "-x"]])
+def test_bad_arguments_exit_with_a_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parser().parse_args(argv)
+    assert exit_info.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_serve_logs_ready_and_answers_on_loopback() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    small = ["--max-slots", "2", "--max-context", "128", "--kv-budget", "32M"]
+    command = [str(VATTN), "serve", "--port", str(port), *small]
+    env = {**os.environ, "VATTN_API_KEY": "k"}
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline, log = time.monotonic() + 120, []
+        while time.monotonic() < deadline and not any("ready:" in line for line in log):
+            line = server.stdout.readline()  # type: ignore[union-attr]
+            assert line or server.poll() is None, "".join(log)
+            log.append(line)
+        assert any(f"ready: SmolLM2-135M-Instruct on http://127.0.0.1:{port}/v1" in line for line in log), log
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401  # the key came from the env
+    finally:
+        server.terminate()
+        assert server.wait(60) == 0
