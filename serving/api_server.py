@@ -161,7 +161,7 @@ def _v1_routes(engine: AsyncEngine, model_name: str, settings: ServerSettings) -
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_model(body.model, model_name)
         _ready(engine)
-        prompts = _completion_prompts(engine, body.prompt)
+        prompts = _completion_prompts(engine, body.prompt, body.n)
         params = [_sampling_params(body, body.max_tokens, body.logprobs, engine, p, "prompt") for p in prompts]
         shape = Completions(engine, model_name, body.n, prompts, wants_logprobs=body.logprobs is not None)
         return await _respond(engine, request, body, shape, prompts, params)
@@ -199,12 +199,16 @@ def _ready(engine: AsyncEngine) -> None:
         raise APIError(503, engine.not_ready_reason(), "service_unavailable")
 
 
-def _completion_prompts(engine: AsyncEngine, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
+def _completion_prompts(
+    engine: AsyncEngine, prompt: str | list[int] | list[str] | list[list[int]], n: int
+) -> list[list[int]]:
     """The request's prompts as token ids: one string or id list, or a list of them."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]  # type: ignore[list-item]
     if not prompt:
         raise APIError(400, "prompt is empty", param="prompt")
+    if len(prompt) * n > MAX_N:
+        raise APIError(400, f"{len(prompt)} prompts x n={n} choices is over the limit of {MAX_N}", param="n")
     prompts = []
     for p in prompt:
         if not p:
@@ -270,8 +274,6 @@ async def _respond(
     params: list[list[SamplingParams]],
 ) -> Response:
     """Submits every choice of every prompt (choice index: prompt * n + j), then streams or collects."""
-    if len(prompts) * body.n > MAX_N:
-        raise APIError(400, f"{len(prompts)} prompts x n={body.n} choices is over the limit of {MAX_N}", param="n")
     flat_prompts = [prompt for prompt, choices in zip(prompts, params, strict=True) for _ in choices]
     group = await _submit(engine, flat_prompts, [p for choices in params for p in choices])
     if body.stream:
