@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -27,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serving.async_engine import AsyncEngine, NotReadyError, OverloadedError, RequestGroup
 from serving.chat_template import chat_prompt_ids
 from serving.engine import EngineConfig
-from serving.metrics import CONTENT_TYPE, ServerMetrics
+from serving.metrics import ServerMetrics
 from serving.protocol import (
     MAX_N,
     ChatCompletionRequest,
@@ -132,7 +133,7 @@ def _public_routes(engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
 
     @router.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return router
 
@@ -330,8 +331,11 @@ async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
     try:
         async for event in events:
             yield f"data: {json.dumps(event)}\n\n"
-    except NotReadyError as error:  # headers are sent: the error travels as an event
+    except NotReadyError as error:  # headers are sent: errors travel as an event
         yield f"data: {json.dumps(error_body(str(error), 'service_unavailable', code=503))}\n\n"
+    except Exception:
+        log.exception("a stream failed")
+        yield f"data: {json.dumps(error_body('internal server error', 'internal_error', code=500))}\n\n"
     yield "data: [DONE]\n\n"
 
 

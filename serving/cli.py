@@ -7,6 +7,7 @@ import logging
 import os
 import re
 from collections.abc import Sequence
+from dataclasses import fields
 
 from serving.engine import EngineConfig
 
@@ -73,17 +74,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from serving.api_server import ServerSettings, build_app
 
     settings = ServerSettings(
-        engine=EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            max_slots=args.max_slots,
-            max_context=args.max_context,
-            max_batched_tokens=args.max_batched_tokens,
-            kv_budget=args.kv_budget,
-            page_size=args.page_size,
-            backend=args.backend,
-            kernel=args.kernel,
-        ),
+        engine=EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}),
         model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("VATTN_API_KEY"),  # not a default: --help would print it
         max_queue=args.max_queue,

@@ -59,6 +59,7 @@ def test_serve_logs_ready_and_answers_on_loopback() -> None:
             assert line or server.poll() is None, "".join(log)
             log.append(line)
         assert any(f"ready: SmolLM2-135M-Instruct on http://127.0.0.1:{port}/v1" in line for line in log), log
+        assert any("2 slots, 32 MiB KV budget" in line for line in log), log  # the options reached the engine
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401  # the key came from the env
     finally:
