@@ -121,8 +121,8 @@ class ServerMetrics(Collector):
         needs.add_metric(["reuse"], counters.needs_met_by_reuse)
         needs.add_metric(["step"], counters.needs_mapped_in_step)
         yield needs
-        yield counter("kv_map_calls", "Batched map calls to the VMM backend.", counters.map_calls)
-        yield counter("kv_pages_mapped", "Pages mapped.", counters.map_pages)
-        yield counter("kv_pages_unmapped", "Pages unmapped.", counters.unmap_pages)
-        yield counter("kv_map_seconds", "Time spent mapping.", counters.map_seconds)
+        yield counter("kv_map_calls", "Batched map calls to the VMM backend.", counters.map.calls)
+        yield counter("kv_pages_mapped", "Pages mapped.", counters.map.pages)
+        yield counter("kv_pages_unmapped", "Pages unmapped.", counters.unmap.pages)
+        yield counter("kv_map_seconds", "Time spent mapping.", counters.map.seconds)
         yield counter("kv_background_errors", "Background mapper failures.", cache.background_errors)

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vattn.config import _is_int
+from vattn.config import is_int
 
 GREEDY_BELOW = 1e-5
 
@@ -33,25 +33,25 @@ class SamplingParams:
     """Return the sampled token's log-probability and this many top alternatives (0: none)."""
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, tuple | list) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
-        if not isinstance(ids, tuple | list) or not all(_is_int(t) and t >= 0 for t in ids):
+        if not isinstance(ids, tuple | list) or not all(is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
 
     @property

@@ -17,7 +17,7 @@ QUERY_HEADS = 8  # 4 query heads per KV head (grouped-query attention)
 
 def fill(cache: KVCache, lengths: dict[int, int], generator: torch.Generator) -> None:
     cache.step(lengths)
-    for layer in range(cache.num_layers):
+    for layer in range(cache.config.num_layers):
         for reqid in lengths:
             keys, values = cache.kv(layer, reqid)
             keys.copy_(torch.randn(keys.shape, generator=generator))
@@ -30,7 +30,7 @@ def test_causal_prefill_on_virtual_tensors(make_cache: MakeCache, layout: str) -
     generator = torch.Generator().manual_seed(0)
     reqid = cache.alloc_reqid()
     fill(cache, {reqid: 150}, generator)  # five 4 KiB pages per tensor
-    for layer in range(cache.num_layers):
+    for layer in range(cache.config.num_layers):
         keys, values = cache.kv(layer, reqid)
         q = torch.randn(1, QUERY_HEADS, 150, 16, generator=generator)
         out = F.scaled_dot_product_attention(
@@ -49,7 +49,7 @@ def test_batched_decode_with_grouped_kv_heads(make_cache: MakeCache, consecutive
     fill(cache, lengths, generator)
     batch = reqids[1:5] if consecutive else [reqids[4], reqids[0], reqids[2]]
     lens = torch.tensor([lengths[r] for r in batch])
-    for layer in range(cache.num_layers):
+    for layer in range(cache.config.num_layers):
         keys, values = cache.kv_batch(layer, batch)  # [B, max_len, Hkv, D], padding is mapped memory
         assert (keys.data_ptr() == cache.kv(layer, batch[0])[0].data_ptr()) == consecutive
         q = torch.randn(len(batch), QUERY_HEADS, 1, 16, generator=generator)

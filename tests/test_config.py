@@ -14,7 +14,7 @@ SHAPE: dict[str, Any] = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "m
 
 def test_any_context_rounds_the_slot_to_whole_pages() -> None:
     config = KVCacheConfig(**SHAPE, dtype="float16", page_size=64 * 1024)
-    assert config.token_bytes == 3 * 64 * 2
+    assert config.bytes_per_token == 3 * 64 * 2
     assert config.slot_pages == 6  # 1000 * 384 B = 375 KiB -> 6 pages of 64 KiB, not a power of two
     assert config.slot_stride == 6 * 64 * 1024
     assert config.pages_for(0) == 0
@@ -27,7 +27,7 @@ def test_mega_layout_has_two_buffers_and_grows_by_whole_tokens_of_all_layers() -
     per_layer = KVCacheConfig(**SHAPE, dtype="float16", page_size=64 * 1024)
     mega = KVCacheConfig(**SHAPE, dtype="float16", page_size=64 * 1024, layout="mega")
     assert per_layer.num_buffers == 60 and mega.num_buffers == 2
-    assert mega.token_bytes == 30 * per_layer.token_bytes
+    assert mega.bytes_per_token == 30 * per_layer.bytes_per_token
     # A 100-token request: per layer it maps 60 pages (3.75 MiB), in one mega tensor 2 x 18 (2.25 MiB).
     assert per_layer.pages_for(100) * per_layer.num_buffers == 60
     assert mega.pages_for(100) * mega.num_buffers == 2 * 18

@@ -79,7 +79,7 @@ def test_data_survives_page_boundaries_frees_and_reuse(make_cuda_cache: Callable
     for round_ in range(2):
         cache.step(lengths)
         for reqid, length in lengths.items():
-            for layer in range(cache.num_layers):
+            for layer in range(cache.config.num_layers):
                 keys, values = cache.kv(layer, reqid)
                 keys.copy_(pattern(reqid, length, layer, generation[reqid]))
                 values.copy_(-pattern(reqid, length, layer, generation[reqid]))
@@ -91,7 +91,7 @@ def test_data_survives_page_boundaries_frees_and_reuse(make_cuda_cache: Callable
             lengths[next(iter(lengths))] += 600
     torch.cuda.synchronize()
     for reqid, length in lengths.items():
-        for layer in range(cache.num_layers):
+        for layer in range(cache.config.num_layers):
             keys, values = cache.kv(layer, reqid)
             assert torch.equal(keys, pattern(reqid, length, layer, generation[reqid]))
             assert torch.equal(values, -pattern(reqid, length, layer, generation[reqid]))

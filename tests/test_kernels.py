@@ -10,7 +10,7 @@ from checks import check_kernel
 
 from vattn import KVCache, KVCacheConfig, UnavailableError
 from vattn.backends.cuda_calls import NativeCudaCalls
-from vattn.backends.page_calls import native_available
+from vattn.backends.native import load_native, native_available
 from vattn.kernels import KERNELS, make_kernel
 
 MakeCache = Callable[..., KVCache]
@@ -87,7 +87,7 @@ def test_cuda_backend_refuses_clearly_without_a_gpu() -> None:
 @pytest.mark.skipif(not native_available(), reason="the native library is not built")
 def test_native_cuda_calls_refuse_clearly_without_libcuda() -> None:
     try:
-        NativeCudaCalls(context_handle=0, device=0)
+        NativeCudaCalls(load_native(True), context_handle=0, device=0)
     except UnavailableError as exc:
         assert "libcuda" in str(exc)
     else:

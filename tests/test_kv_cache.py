@@ -11,7 +11,7 @@ import torch
 from checks import check_page_sharing
 
 from vattn import KVCache, KVCacheConfig, OutOfPagesError, OutOfSlotsError
-from vattn.backends import page_calls
+from vattn.backends import host_calls, native
 from vattn.backends.host import HostBackend, current_map_count
 
 MakeCache = Callable[..., KVCache]
@@ -24,14 +24,14 @@ def pattern(reqid: int, length: int, generation: int) -> torch.Tensor:
 
 
 def write_all(cache: KVCache, reqid: int, length: int, generation: int) -> None:
-    for layer in range(cache.num_layers):
+    for layer in range(cache.config.num_layers):
         keys, values = cache.kv(layer, reqid)
         keys.copy_(pattern(reqid, length, generation) + layer)
         values.copy_(-(pattern(reqid, length, generation) + layer))
 
 
 def check_all(cache: KVCache, reqid: int, length: int, generation: int) -> None:
-    for layer in range(cache.num_layers):
+    for layer in range(cache.config.num_layers):
         keys, values = cache.kv(layer, reqid)
         assert keys.shape == (length, 2, 16)
         assert torch.equal(keys, pattern(reqid, length, generation) + layer)
@@ -70,7 +70,7 @@ def test_bytes_land_in_the_physical_pool(make_cache: MakeCache) -> None:
     fd, page_size = cache.backend.pool_fd(), cache.config.page_size
     table = cache.page_table(reqid)
     assert len(table) == 4 and all(len(step) == cache.config.num_buffers for step in table)
-    for layer in range(cache.num_layers):
+    for layer in range(cache.config.num_layers):
         keys, values = cache.kv(layer, reqid)
         for buffer, tensor in ((2 * layer, keys), (2 * layer + 1, values)):
             expected = tensor.contiguous().view(torch.uint8).flatten().numpy().tobytes()
@@ -125,7 +125,7 @@ def test_freed_slot_keeps_its_pages_and_is_handed_out_first(make_cache: MakeCach
     assert cache.alloc_reqid() == first  # the idle slot with the most pages
     cache.step({first: 150})
     counters = cache.stats().counters
-    assert counters.needs_met_by_reuse == 5 and counters.map_calls == 1  # nothing mapped for reuse
+    assert counters.needs_met_by_reuse == 5 and counters.map.calls == 1  # nothing mapped for reuse
 
 
 def test_background_thread_maps_ahead_and_eagerly(make_cache: MakeCache) -> None:
@@ -152,7 +152,7 @@ def test_idle_pages_are_reclaimed_when_a_step_needs_them(make_cache: MakeCache) 
     cache.step({reqids[0]: 480})  # needs 10 more steps: taken from the idle slots
     stats = cache.stats()
     assert stats.mapped_bytes == 20 * 8 * 4096 and stats.pages_per_slot[reqids[0]] == 15 * 8
-    assert stats.counters.unmap_pages == 10 * 8
+    assert stats.counters.unmap.pages == 10 * 8
 
     cache.free_reqid(reqids[0])
     cache.release_idle()
@@ -299,9 +299,9 @@ def test_a_page_can_be_mapped_at_two_addresses(native: bool) -> None:
 
 
 def test_native_library_is_built_and_required_when_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert page_calls.native_available(), "make test builds vattn/libvattn_native.so"
-    assert page_calls.select_page_calls(None).name == "native"
-    monkeypatch.setattr(page_calls, "NATIVE_LIBRARY", page_calls.NATIVE_LIBRARY.with_name("missing.so"))
-    assert page_calls.select_page_calls(None).name == "ctypes"
+    assert native.native_available(), "make test builds vattn/libvattn_native.so"
+    assert host_calls.select_host_calls(None).name == "native"
+    monkeypatch.setattr(native, "NATIVE_LIBRARY", native.NATIVE_LIBRARY.with_name("missing.so"))
+    assert host_calls.select_host_calls(None).name == "ctypes"
     with pytest.raises(RuntimeError, match="make native"):
-        page_calls.select_page_calls(True)
+        host_calls.select_host_calls(True)

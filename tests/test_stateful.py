@@ -15,7 +15,7 @@ from hypothesis.stateful import (
 )
 
 from vattn import KVCache, KVCacheConfig, OutOfPagesError, OutOfSlotsError
-from vattn.kv_cache import Slot
+from vattn.slot import Slot
 
 MAX_SLOTS, LAYERS = 6, 3
 operations = 0
@@ -131,7 +131,9 @@ class CacheMachine(RuleBasedStateMachine):
                     assert config.pages_for(slot.length) <= len(slot.pages)
         stats = cache.stats()
         assert stats.mapped_bytes + stats.free_bytes == config.pool_pages * config.page_size
-        assert stats.token_bytes + stats.waste_bytes == stats.mapped_bytes
+        used_tokens = sum(len(tokens) for tokens in self.tokens.values())
+        assert stats.used_bytes == used_tokens * config.bytes_per_token * config.num_buffers
+        assert 0 <= stats.waste_bytes == stats.mapped_bytes - stats.used_bytes
         for reqid, tokens in self.tokens.items():
             for layer in range(LAYERS):
                 keys, values = cache.kv(layer, reqid)

@@ -8,7 +8,8 @@ from typing import Literal
 
 import torch
 
-MiB = 1 << 20
+from vattn.sizes import MiB
+
 Layout = Literal["per_layer", "mega"]
 LAYOUTS: tuple[str, ...] = ("per_layer", "mega")
 DTYPES: dict[str, torch.dtype] = {
@@ -53,10 +54,10 @@ class KVCacheConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_slots", "max_context", "page_size"):
-            _require_positive_int(name, getattr(self, name))
+            require_positive_int(name, getattr(self, name))
         for name in ("lookahead_tokens", "eager_pages"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if isinstance(self.dtype, str):
             if self.dtype not in DTYPES:
@@ -69,7 +70,7 @@ class KVCacheConfig:
         if not 0.0 <= self.reclaim_watermark < 1.0:
             raise ValueError(f"reclaim_watermark must be in [0, 1), got {self.reclaim_watermark!r}")
         if self.memory_budget is not None:
-            _require_positive_int("memory_budget", self.memory_budget)
+            require_positive_int("memory_budget", self.memory_budget)
             if self.pool_pages < self.num_buffers:
                 raise ValueError(
                     f"memory_budget {self.memory_budget} B holds {self.pool_pages} pages of "
@@ -86,7 +87,7 @@ class KVCacheConfig:
         return 2 * self.num_layers if self.layout == "per_layer" else 2
 
     @property
-    def token_bytes(self) -> int:
+    def bytes_per_token(self) -> int:
         """Bytes one token occupies in one virtual tensor."""
         per_layer = self.num_kv_heads * self.head_dim * self.element_size
         return per_layer if self.layout == "per_layer" else per_layer * self.num_layers
@@ -94,7 +95,7 @@ class KVCacheConfig:
     @property
     def slot_pages(self) -> int:
         """Pages behind one slot of one virtual tensor at full context."""
-        return math.ceil(self.max_context * self.token_bytes / self.page_size)
+        return math.ceil(self.max_context * self.bytes_per_token / self.page_size)
 
     @property
     def slot_stride(self) -> int:
@@ -109,19 +110,37 @@ class KVCacheConfig:
             return capacity
         return min(capacity, self.memory_budget // self.page_size)
 
+    @property
+    def tensor_shape(self) -> tuple[int, ...]:
+        """Shape of each virtual tensor: `[slots, context, kv_heads, head_dim]`, with layers before
+        the heads in the mega layout."""
+        layers = () if self.layout == "per_layer" else (self.num_layers,)
+        return (self.max_slots, self.max_context, *layers, self.num_kv_heads, self.head_dim)
+
+    @property
+    def tensor_strides(self) -> tuple[int, ...]:
+        """Element strides of `tensor_shape`: slots `slot_stride` bytes apart, the rest packed."""
+        row = self.num_kv_heads * self.head_dim
+        per_token = (row,) if self.layout == "per_layer" else (self.num_layers * row, row)
+        return (self.slot_stride // self.element_size, *per_token, self.head_dim, 1)
+
+    def page_offset(self, slot: int, page: int) -> int:
+        """Byte offset of page `page` of slot `slot` inside any one virtual tensor."""
+        return slot * self.slot_stride + page * self.page_size
+
     def pages_for(self, tokens: int) -> int:
         """Page steps (one page in every virtual tensor) a slot needs to hold `tokens`."""
-        return math.ceil(tokens * self.token_bytes / self.page_size)
+        return math.ceil(tokens * self.bytes_per_token / self.page_size)
 
     def tokens_in(self, page_steps: int) -> int:
         """Tokens that lie wholly inside the first `page_steps` pages of a slot."""
-        return min(self.max_context, page_steps * self.page_size // self.token_bytes)
+        return min(self.max_context, page_steps * self.page_size // self.bytes_per_token)
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _require_positive_int(name: str, value: object) -> None:
-    if not _is_int(value) or value <= 0:
+def require_positive_int(name: str, value: object) -> None:
+    if not is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vattn.config import _is_int
+from vattn.config import is_int
 from vattn.errors import UnavailableError
 from vattn.kv_cache import KVCache
 
@@ -35,19 +35,19 @@ class AttentionBatch:
     """One iteration's requests, checked against the cache; built once, used by every layer.
 
     Request i owns query rows `[starts[i], starts[i + 1])` and cache positions
-    `[lengths[i] - new_tokens[i], lengths[i])` of slot `reqids[i]` (reqids are slot indices).
+    `[lengths[i] - new_tokens[i], lengths[i])` of row `reqids[i]` of the virtual tensors.
     """
 
     reqids: tuple[int, ...]
     new_tokens: tuple[int, ...]
     lengths: tuple[int, ...]
     starts: tuple[int, ...]
-    slots: torch.Tensor
-    """int32 `[batch]` on the cache's device."""
-    cached: torch.Tensor
+    device_reqids: torch.Tensor
+    """int32 `[batch]`: `reqids` on the cache's device."""
+    cached_lengths: torch.Tensor
     """int32 `[batch]`: tokens each request had before this iteration."""
-    token_slots: torch.Tensor
-    """int64 `[tokens]`: slot of each new token."""
+    token_reqids: torch.Tensor
+    """int64 `[tokens]`: reqid of each new token."""
     token_positions: torch.Tensor
     """int64 `[tokens]`: cache position of each new token."""
     wrapper: Any = None
@@ -74,7 +74,7 @@ class AttentionKernel(ABC):
 
     def __init__(self, cache: KVCache, num_query_heads: int) -> None:
         cfg = cache.config
-        if not _is_int(num_query_heads) or num_query_heads <= 0 or num_query_heads % cfg.num_kv_heads:
+        if not is_int(num_query_heads) or num_query_heads <= 0 or num_query_heads % cfg.num_kv_heads:
             raise ValueError(
                 f"num_query_heads must be a positive multiple of num_kv_heads ({cfg.num_kv_heads}), "
                 f"got {num_query_heads!r}"
@@ -93,7 +93,7 @@ class AttentionKernel(ABC):
             raise ValueError(f"reqids must be distinct, got {list(reqids)}")
         lengths = self.cache.lengths(reqids)
         for reqid, new, length in zip(reqids, new_tokens, lengths, strict=True):
-            if not _is_int(new) or not 1 <= new <= length:
+            if not is_int(new) or not 1 <= new <= length:
                 raise ValueError(
                     f"reqid {reqid}: new tokens must be an integer in [1, {length}] (its stepped length), got {new!r}"
                 )
@@ -101,18 +101,18 @@ class AttentionKernel(ABC):
         for new in new_tokens:
             starts.append(starts[-1] + new)
         device = self.cache.device
-        token_slots = [reqid for reqid, new in zip(reqids, new_tokens, strict=True) for _ in range(new)]
+        token_reqids = [reqid for reqid, new in zip(reqids, new_tokens, strict=True) for _ in range(new)]
         positions = [p for new, n in zip(new_tokens, lengths, strict=True) for p in range(n - new, n)]
         batch = AttentionBatch(
             reqids=tuple(reqids),
             new_tokens=tuple(new_tokens),
             lengths=tuple(lengths),
             starts=tuple(starts),
-            slots=torch.tensor(reqids, dtype=torch.int32, device=device),
-            cached=torch.tensor(
+            device_reqids=torch.tensor(reqids, dtype=torch.int32, device=device),
+            cached_lengths=torch.tensor(
                 [n - new for n, new in zip(lengths, new_tokens, strict=True)], dtype=torch.int32, device=device
             ),
-            token_slots=torch.tensor(token_slots, dtype=torch.int64, device=device),
+            token_reqids=torch.tensor(token_reqids, dtype=torch.int64, device=device),
             token_positions=torch.tensor(positions, dtype=torch.int64, device=device),
         )
         return self._planned(batch)
@@ -146,8 +146,8 @@ class AttentionKernel(ABC):
 
     @staticmethod
     def _store(kv: tuple[Tensor, Tensor], batch: AttentionBatch, k: Tensor, v: Tensor) -> None:
-        """Writes the new tokens' K/V into their slots in one indexed copy per tensor."""
-        index = (batch.token_slots, batch.token_positions)
+        """Writes the new tokens' K/V into their rows in one indexed copy per tensor."""
+        index = (batch.token_reqids, batch.token_positions)
         kv[0].index_put_(index, k)
         kv[1].index_put_(index, v)
 
@@ -210,8 +210,8 @@ class FlashAttnKernel(AttentionKernel):
                 values,
                 k=k.unsqueeze(1),
                 v=v.unsqueeze(1),
-                cache_seqlens=batch.cached,
-                cache_batch_idx=batch.slots,
+                cache_seqlens=batch.cached_lengths,
+                cache_batch_idx=batch.device_reqids,
                 softmax_scale=self.scale,
                 causal=True,
             )
@@ -225,8 +225,8 @@ class FlashAttnKernel(AttentionKernel):
                 values,
                 k=k[rows].unsqueeze(0),
                 v=v[rows].unsqueeze(0),
-                cache_seqlens=batch.cached[one],
-                cache_batch_idx=batch.slots[one],
+                cache_seqlens=batch.cached_lengths[one],
+                cache_batch_idx=batch.device_reqids[one],
                 softmax_scale=self.scale,
                 causal=True,
             ).squeeze(0)
@@ -295,12 +295,12 @@ class FlashInferPagedKernel(AttentionKernel):
         shape = (self.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.max_context)
         if batch.is_decode:
             wrapper = self._decode
-            wrapper.plan(pages, batch.slots, last_page_len, *shape, q_data_type=cfg.dtype, sm_scale=self.scale)
+            wrapper.plan(pages, batch.device_reqids, last_page_len, *shape, q_data_type=cfg.dtype, sm_scale=self.scale)
         else:
             wrapper = self._prefill
             rows = torch.tensor(batch.starts, dtype=torch.int32, device=device)
             wrapper.plan(
-                rows, pages, batch.slots, last_page_len, *shape, causal=True, q_data_type=cfg.dtype, sm_scale=self.scale
+                rows, pages, batch.device_reqids, last_page_len, *shape, causal=True, q_data_type=cfg.dtype, sm_scale=self.scale
             )
         return replace(batch, wrapper=wrapper)
 

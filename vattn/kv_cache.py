@@ -2,55 +2,31 @@
 
 from __future__ import annotations
 
-import copy
 import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 
 from vattn.backends import VMMBackend, make_backend
-from vattn.config import KVCacheConfig, _is_int
+from vattn.config import KVCacheConfig, is_int
 from vattn.errors import OutOfPagesError, OutOfSlotsError
 from vattn.mapper import BackgroundMapper
 from vattn.page_pool import PagePool
+from vattn.slot import Origin, Slot
 from vattn.stats import CacheStats, MappingCounters
-
-
-class Origin(Enum):
-    """Who mapped a page step, so stats can say whether a need was met ahead of step()."""
-
-    STEP = "step"
-    BACKGROUND = "background"
-    REUSED = "reused"
-
-
-@dataclass
-class Slot:
-    """One request slot (reqid): row `index` of every virtual tensor.
-
-    `pages[k][b]` is the physical page behind page k of virtual tensor b; pages always
-    form a prefix of the slot, so its first `len(pages)` page steps are mapped.
-    """
-
-    index: int
-    active: bool = False
-    length: int = 0
-    """Tokens the last step() guaranteed; views of the slot stop here."""
-    pages: list[list[int]] = field(default_factory=list)
-    origins: list[Origin] = field(default_factory=list)
 
 
 class KVCache:
     """Per-request KV tensors in reserved address space, backed page by page.
 
-    Reqids are slot indices. `step(seq_lens)` makes every listed request's pages
-    present before the model runs; a background thread maps the next token's pages
-    while the model computes, freed slots keep their pages for the next request, and
-    the slot handed out next is pre-mapped. Views never reach past mapped memory.
+    A reqid, as the paper calls it, is the index of a request slot: row `reqid` of every
+    virtual tensor, handed out by `alloc_reqid` and given back by `free_reqid`.
+    `step(seq_lens)` makes every listed request's pages present before the model runs; a
+    background thread maps the next token's pages while the model computes, freed slots
+    keep their pages for the next request, and the slot handed out next is pre-mapped.
+    Views never reach past mapped memory.
     """
 
     def __init__(self, config: KVCacheConfig) -> None:
@@ -115,17 +91,14 @@ class KVCache:
                 keep = {slot.index: cfg.pages_for(n) for slot, n in targets}
                 self._make_room(sum(missing for _, missing in plan) * width, keep)
                 addrs = self._map(plan, Origin.STEP)
-                self._count_populate(*self._populate(addrs))
-            self._count_needs(met, plan)
+                self._counters.populate.add(*self._populate(addrs))
+            already_mapped = (slot.origins[k] is Origin.BACKGROUND for slot, needed in met for k in needed)
+            self._counters.count_needs(already_mapped, sum(missing for _, missing in plan))
             for slot, n in targets:
                 slot.length = n
         self._wake_mapper()
 
     # ---------------------------------------------------------------- views
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_layers
 
     def kv(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one request in one layer, `[length, kv_heads, head_dim]` views.
@@ -202,7 +175,7 @@ class KVCache:
 
     def can_admit(self, num_tokens: int) -> bool:
         """Whether a new request of `num_tokens` could get a reqid and be stepped now."""
-        if not _is_int(num_tokens) or not 0 <= num_tokens <= self.config.max_context:
+        if not is_int(num_tokens) or not 0 <= num_tokens <= self.config.max_context:
             raise ValueError(f"num_tokens must be an integer in [0, {self.config.max_context}], got {num_tokens!r}")
         with self._lock:
             self._check_open()
@@ -215,28 +188,9 @@ class KVCache:
     # ---------------------------------------------------------------- reporting, lifetime
 
     def stats(self) -> CacheStats:
-        cfg, width = self.config, self.config.num_buffers
         with self._lock:
-            active = sum(len(s.pages) for s in self._slots if s.active) * width * cfg.page_size
-            idle = sum(len(s.pages) for s in self._slots if not s.active) * width * cfg.page_size
-            tokens = sum(s.length for s in self._slots if s.active) * cfg.token_bytes * width
-            return CacheStats(
-                page_size=cfg.page_size,
-                pool_pages=self._pool.capacity,
-                mapped_bytes=active + idle,
-                active_bytes=active,
-                idle_bytes=idle,
-                free_bytes=self._pool.num_free * cfg.page_size,
-                token_bytes=tokens,
-                waste_bytes=active + idle - tokens,
-                pages_created=self._pool.num_created,
-                fresh_pages_taken=self._pool.fresh_pages_taken,
-                recycled_pages_taken=self._pool.recycled_pages_taken,
-                pages_per_slot=tuple(len(s.pages) * width for s in self._slots),
-                active_slots=sum(s.active for s in self._slots),
-                counters=copy.copy(self._counters),
-                background_errors=self._mapper.errors if self._mapper else 0,
-            )
+            errors = self._mapper.errors if self._mapper else 0
+            return CacheStats.of(self.config, self._slots, self._pool, self._counters, errors)
 
     def release_idle(self) -> None:
         """Unmaps every idle slot's pages back into the pool (deferred reclamation, now)."""
@@ -277,17 +231,10 @@ class KVCache:
     def _virtual_tensor(self, base: int) -> torch.Tensor:
         cfg = self.config
         flat = self.backend.tensor(base, self._reservation).view(cfg.dtype)
-        row = cfg.num_kv_heads * cfg.head_dim
-        if cfg.layout == "per_layer":
-            shape = (cfg.max_slots, cfg.max_context, cfg.num_kv_heads, cfg.head_dim)
-            strides = (cfg.slot_stride // cfg.element_size, row, cfg.head_dim, 1)
-        else:
-            shape = (cfg.max_slots, cfg.max_context, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-            strides = (cfg.slot_stride // cfg.element_size, cfg.num_layers * row, row, cfg.head_dim, 1)
-        return flat.as_strided(shape, strides)
+        return flat.as_strided(cfg.tensor_shape, cfg.tensor_strides)
 
     def _layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not _is_int(layer) or not 0 <= layer < self.config.num_layers:
+        if not is_int(layer) or not 0 <= layer < self.config.num_layers:
             raise ValueError(f"layer must be an integer in [0, {self.config.num_layers}), got {layer!r}")
         if self.config.layout == "per_layer":
             return self._buffers[2 * layer], self._buffers[2 * layer + 1]
@@ -298,7 +245,7 @@ class KVCache:
             raise RuntimeError("this KVCache is closed")
 
     def _active_slot(self, reqid: int) -> Slot:
-        if not _is_int(reqid) or not 0 <= reqid < self.config.max_slots:
+        if not is_int(reqid) or not 0 <= reqid < self.config.max_slots:
             raise ValueError(f"reqid must be an integer in [0, {self.config.max_slots}), got {reqid!r}")
         slot = self._slots[reqid]
         if not slot.active:
@@ -311,7 +258,7 @@ class KVCache:
         targets = []
         for reqid, length in seq_lens.items():
             slot = self._active_slot(reqid)
-            if not _is_int(length) or not 0 <= length <= self.config.max_context:
+            if not is_int(length) or not 0 <= length <= self.config.max_context:
                 raise ValueError(
                     f"length of reqid {reqid} must be an integer in [0, {self.config.max_context}] "
                     f"(max_context), got {length!r}"
@@ -326,8 +273,8 @@ class KVCache:
 
     def _page_addrs(self, slot: Slot, first: int, count: int) -> list[int]:
         """Addresses of page steps first..first+count of a slot, page by page, tensor by tensor."""
-        size, row = self.config.page_size, slot.index * self.config.slot_stride
-        return [base + row + k * size for k in range(first, first + count) for base in self._bases]
+        offsets = [self.config.page_offset(slot.index, k) for k in range(first, first + count)]
+        return [base + offset for offset in offsets for base in self._bases]
 
     def _map(self, plan: list[tuple[Slot, int]], origin: Origin) -> list[int]:
         """Maps `count` more page steps behind each slot in one batch; returns the addresses."""
@@ -340,9 +287,7 @@ class KVCache:
         except BaseException:
             self._pool.give_back(pages)
             raise
-        self._counters.map_seconds += time.perf_counter() - started
-        self._counters.map_calls += 1
-        self._counters.map_pages += len(pages)
+        self._counters.map.add(len(pages), time.perf_counter() - started)
         taken = iter(pages)
         for slot, count in plan:
             for _ in range(count):
@@ -359,34 +304,16 @@ class KVCache:
             pages += [page for step in slot.pages[first:] for page in step]
         started = time.perf_counter()
         self.backend.unmap(addrs)
-        self._counters.unmap_seconds += time.perf_counter() - started
-        self._counters.unmap_calls += 1
-        self._counters.unmap_pages += len(pages)
+        self._counters.unmap.add(len(pages), time.perf_counter() - started)
         for slot, count in plan:
             del slot.pages[len(slot.pages) - count :]
             del slot.origins[len(slot.origins) - count :]
         self._pool.give_back(pages)
 
     def _populate(self, addrs: list[int]) -> tuple[int, float]:
+        """Pre-faults mapped pages; returns (pages done, seconds) for `counters.populate`."""
         started = time.perf_counter()
         return self.backend.populate(addrs), time.perf_counter() - started
-
-    def _count_populate(self, pages: int, seconds: float) -> None:
-        self._counters.populate_pages += pages
-        self._counters.populate_seconds += seconds
-
-    def _count_needs(self, met: list[tuple[Slot, range]], plan: list[tuple[Slot, int]]) -> None:
-        counters = self._counters
-        for slot, needed in met:
-            for k in needed:
-                counters.page_needs += 1
-                if slot.origins[k] is Origin.BACKGROUND:
-                    counters.needs_met_by_background += 1
-                else:
-                    counters.needs_met_by_reuse += 1
-        mapped = sum(count for _, count in plan)
-        counters.page_needs += mapped
-        counters.needs_mapped_in_step += mapped
 
     def _reclaimable(self, keep: Mapping[int, int], include_active: bool) -> list[tuple[Slot, int]]:
         """Page steps that can go, cheapest loss first: idle slots (the next reqid's last),
@@ -442,7 +369,7 @@ class KVCache:
         if addrs:  # outside the lock: a page unmapped meanwhile just ends the batch early
             done = self._populate(addrs)
             with self._lock:
-                self._count_populate(*done)
+                self._counters.populate.add(*done)
         return True
 
     def _next_unit_ahead(self) -> list[int] | None:

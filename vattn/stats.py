@@ -2,21 +2,37 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from vattn.config import KVCacheConfig
+from vattn.page_pool import PagePool
+from vattn.slot import Slot
+
+
+@dataclass
+class CallTotals:
+    """Batched calls of one kind to the VMM backend, the pages they covered and their time."""
+
+    calls: int = 0
+    pages: int = 0
+    seconds: float = 0.0
+
+    def add(self, pages: int, seconds: float) -> None:
+        self.calls += 1
+        self.pages += pages
+        self.seconds += seconds
 
 
 @dataclass
 class MappingCounters:
     """Running totals, updated under the cache lock."""
 
-    map_calls: int = 0
-    map_pages: int = 0
-    map_seconds: float = 0.0
-    unmap_calls: int = 0
-    unmap_pages: int = 0
-    unmap_seconds: float = 0.0
-    populate_pages: int = 0
-    populate_seconds: float = 0.0
+    map: CallTotals = field(default_factory=CallTotals)
+    unmap: CallTotals = field(default_factory=CallTotals)
+    populate: CallTotals = field(default_factory=CallTotals)
+    """Pre-faulting mapped pages (host: MADV_POPULATE_WRITE)."""
     page_needs: int = 0
     """Page steps a step() newly needed (a slot's length crossed into a page)."""
     needs_met_by_background: int = 0
@@ -25,6 +41,17 @@ class MappingCounters:
     """... already mapped because the slot kept a finished request's pages."""
     needs_mapped_in_step: int = 0
     """... that step() had to map itself, on the critical path."""
+
+    def count_needs(self, already_mapped: Iterable[bool], mapped_in_step: int) -> None:
+        """Page needs of one step(): for those mapped before it, whether the background thread did it."""
+        for by_background in already_mapped:
+            self.page_needs += 1
+            if by_background:
+                self.needs_met_by_background += 1
+            else:
+                self.needs_met_by_reuse += 1
+        self.page_needs += mapped_in_step
+        self.needs_mapped_in_step += mapped_in_step
 
 
 @dataclass(frozen=True)
@@ -41,10 +68,8 @@ class CacheStats:
     """Kept behind finished requests' slots (deferred reclamation)."""
     free_bytes: int
     """Mapped nowhere: the budget minus `mapped_bytes`."""
-    token_bytes: int
+    used_bytes: int
     """Holding the active requests' tokens."""
-    waste_bytes: int
-    """Mapped but holding no token: `mapped_bytes - token_bytes`."""
     pages_created: int
     fresh_pages_taken: int
     recycled_pages_taken: int
@@ -53,8 +78,32 @@ class CacheStats:
     counters: MappingCounters
     background_errors: int
 
+    @classmethod
+    def of(
+        cls, config: KVCacheConfig, slots: Sequence[Slot], pool: PagePool, counters: MappingCounters, errors: int
+    ) -> CacheStats:
+        """The figures of a cache's slots and pool (taken under the cache lock)."""
+        step_bytes = config.num_buffers * config.page_size  # one page in every virtual tensor
+        active = sum(len(s.pages) for s in slots if s.active) * step_bytes
+        idle = sum(len(s.pages) for s in slots if not s.active) * step_bytes
+        return cls(
+            page_size=config.page_size,
+            pool_pages=pool.capacity,
+            mapped_bytes=active + idle,
+            active_bytes=active,
+            idle_bytes=idle,
+            free_bytes=pool.num_free * config.page_size,
+            used_bytes=sum(s.length for s in slots if s.active) * config.bytes_per_token * config.num_buffers,
+            pages_created=pool.num_created,
+            fresh_pages_taken=pool.fresh_pages_taken,
+            recycled_pages_taken=pool.recycled_pages_taken,
+            pages_per_slot=tuple(len(s.pages) * config.num_buffers for s in slots),
+            active_slots=sum(s.active for s in slots),
+            counters=copy.deepcopy(counters),
+            background_errors=errors,
+        )
+
     @property
-    def background_share(self) -> float:
-        """Share of page needs met ahead of step() by the background thread."""
-        c = self.counters
-        return c.needs_met_by_background / c.page_needs if c.page_needs else 0.0
+    def waste_bytes(self) -> int:
+        """Mapped but holding no token."""
+        return self.mapped_bytes - self.used_bytes

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from vattn.backends.base import VMMBackend
-from vattn.backends.cuda_calls import CudaPageCalls, select_cuda_calls
+from vattn.backends.cuda_calls import CudaCalls, select_cuda_calls
 from vattn.errors import OutOfPagesError, UnavailableError
 
 
@@ -88,7 +88,7 @@ class CudaBackend(VMMBackend):
                 "set memory_budget to what the cache may use"
             )
         self.page_size = page_size
-        self.calls: CudaPageCalls = select_cuda_calls(native, driver, self._context, index)
+        self.calls: CudaCalls = select_cuda_calls(native, driver, self._context, index)
         self._probe_page: int | None = None
         self._live_pages = 0
         self._closed = False

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
-from vattn.backends.page_calls import NATIVE_LIBRARY, native_available, u64_array
+from vattn.backends.native import load_native, u64_array
 from vattn.errors import UnavailableError
 
 
-class CudaPageCalls(Protocol):
+class CudaCalls(Protocol):
     name: str
 
     def map_pages(self, addrs: Sequence[int], handles: Sequence[int], page_size: int) -> tuple[int, int]: ...
@@ -71,8 +70,7 @@ class NativeCudaCalls:
 
     name = "native"
 
-    def __init__(self, context_handle: int, device: int, path: Path = NATIVE_LIBRARY) -> None:
-        lib = ctypes.CDLL(str(path))
+    def __init__(self, lib: ctypes.CDLL, context_handle: int, device: int) -> None:
         lib.vattn_cuda_load.restype = ctypes.c_char_p
         lib.vattn_cuda_load.argtypes = []
         u64p, errp = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int)
@@ -116,12 +114,7 @@ class NativeCudaCalls:
         return done, err.value
 
 
-def select_cuda_calls(native: bool | None, driver: ModuleType, context: Any, device: int) -> CudaPageCalls:
+def select_cuda_calls(native: bool | None, driver: ModuleType, context: Any, device: int) -> CudaCalls:
     """The C library when asked for or built (None); cuda-python when asked for or missing."""
-    if native is False:
-        return DriverCudaCalls(driver, context, device)
-    if native_available():
-        return NativeCudaCalls(int(context), device)
-    if native:
-        raise RuntimeError(f"native mapping library not built at {NATIVE_LIBRARY}: run `make native`")
-    return DriverCudaCalls(driver, context, device)
+    lib = load_native(native)
+    return DriverCudaCalls(driver, context, device) if lib is None else NativeCudaCalls(lib, int(context), device)

@@ -16,16 +16,16 @@ from pathlib import Path
 import torch
 
 from vattn.backends.base import VMMBackend
-from vattn.backends.page_calls import (
+from vattn.backends.host_calls import (
     LIBC,
     MAP_ANONYMOUS,
     MAP_FIXED,
     MAP_NORESERVE,
     MAP_PRIVATE,
     PROT_NONE,
-    PageCalls,
+    HostCalls,
     check_mmap,
-    select_page_calls,
+    select_host_calls,
 )
 
 RESERVATION_FLAGS = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
@@ -55,7 +55,7 @@ class HostBackend(VMMBackend):
             raise ValueError(f"page_size {page_size} must be a multiple of the OS page size {granularity}")
         self._check_map_count(max_pages, reservations)
         self.page_size = page_size
-        self.calls: PageCalls = select_page_calls(native)
+        self.calls: HostCalls = select_host_calls(native)
         self._fd = os.memfd_create("vattn-kv-pool", os.MFD_CLOEXEC)
         os.ftruncate(self._fd, max_pages * page_size)
         self._max_pages = max_pages

@@ -9,8 +9,9 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Protocol
+
+from vattn.backends.native import load_native, u64_array
 
 PROT_NONE = 0
 PROT_READ_WRITE = 0x1 | 0x2
@@ -22,11 +23,8 @@ MAP_NORESERVE = 0x4000
 MADV_POPULATE_WRITE = 23
 MAP_FAILED = 2**64 - 1
 
-NATIVE_LIBRARY = Path(__file__).resolve().parent.parent / "libvattn_native.so"
-"""Built from native/vattn_native.c by `make native` (part of the set-up)."""
 
-
-class PageCalls(Protocol):
+class HostCalls(Protocol):
     name: str
 
     def map_pages(self, fd: int, addrs: Sequence[int], offsets: Sequence[int], page_size: int) -> tuple[int, int]: ...
@@ -67,7 +65,7 @@ def check_mmap(result: int | None, what: str) -> int:
     return result
 
 
-class CtypesPageCalls:
+class CtypesHostCalls:
     """One libc call per page through ctypes (each call releases the GIL)."""
 
     name = "ctypes"
@@ -92,13 +90,12 @@ class CtypesPageCalls:
         return len(addrs), 0
 
 
-class NativePageCalls:
+class NativeHostCalls:
     """One call into libvattn_native per batch; the GIL is released for all of it."""
 
     name = "native"
 
-    def __init__(self, path: Path = NATIVE_LIBRARY) -> None:
-        lib = ctypes.CDLL(str(path))
+    def __init__(self, lib: ctypes.CDLL) -> None:
         u64p, errp = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int)
         lib.vattn_map_pages.restype = ctypes.c_long
         lib.vattn_map_pages.argtypes = [ctypes.c_int, ctypes.c_long, u64p, u64p, ctypes.c_uint64, errp]
@@ -126,20 +123,7 @@ class NativePageCalls:
         return done, err.value
 
 
-def u64_array(values: Sequence[int]) -> ctypes.Array[ctypes.c_uint64]:
-    return (ctypes.c_uint64 * len(values))(*values)
-
-
-def native_available() -> bool:
-    return NATIVE_LIBRARY.is_file()
-
-
-def select_page_calls(native: bool | None) -> PageCalls:
+def select_host_calls(native: bool | None) -> HostCalls:
     """The C library when asked for or built (None), ctypes when asked for or missing."""
-    if native is False:
-        return CtypesPageCalls()
-    if native_available():
-        return NativePageCalls()
-    if native:
-        raise RuntimeError(f"native mapping library not built at {NATIVE_LIBRARY}: run `make native`")
-    return CtypesPageCalls()
+    lib = load_native(native)
+    return CtypesHostCalls() if lib is None else NativeHostCalls(lib)
