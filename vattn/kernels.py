@@ -300,7 +300,14 @@ class FlashInferPagedKernel(AttentionKernel):
             wrapper = self._prefill
             rows = torch.tensor(batch.starts, dtype=torch.int32, device=device)
             wrapper.plan(
-                rows, pages, batch.device_reqids, last_page_len, *shape, causal=True, q_data_type=cfg.dtype, sm_scale=self.scale
+                rows,
+                pages,
+                batch.device_reqids,
+                last_page_len,
+                *shape,
+                causal=True,
+                q_data_type=cfg.dtype,
+                sm_scale=self.scale,
             )
         return replace(batch, wrapper=wrapper)
 
