@@ -11,7 +11,7 @@ from typing import Any
 
 _EXPORTS = {
     "LLM": "serving.llm",
-    "EngineConfig": "serving.engine",
+    "EngineConfig": "serving.config",
     "LLMEngine": "serving.engine",
     "RequestOutput": "serving.outputs",
     "SamplingParams": "serving.sampling_params",

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from collections.abc import Sequence as Seq
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 ROLES = ("system", "user", "assistant")
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Seq[Mapping[str, Any]]) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
     """Token ids of a conversation with the assistant's turn opened; bad messages raise ValueError."""
     if not isinstance(messages, list | tuple) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")

@@ -1,112 +1,79 @@
 """The engine: requests in, one batched model iteration per step(), tokens and text out.
 
-Data flows one way: engine -> scheduler (what runs, preemption) -> KV cache (pages) ->
-VMM backend; the model runner reads and writes KV only through an attention kernel.
+Data flows one way: engine -> scheduler (what runs, preemption) -> KV store (slots and
+pages) -> allocator -> VMM backend. The engine plans each iteration's attention batch with
+the KV store, and the model runner attends through it.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from serving.config import EngineConfig
 from serving.detokenizer import IncrementalDetokenizer
+from serving.kv_store import KVStore, VirtualKVStore
 from serving.model_runner import ModelRunner, load_model, model_shape
 from serving.model_store import ensure_default_model
 from serving.outputs import RequestOutput, StreamDelta
+from serving.request import Request, TokenLogprob, generation_room
 from serving.sampler import sample
 from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler
-from serving.sequence import Sequence, TokenLogprob
-from vattn import KVCache, KVCacheConfig
-from vattn.kernels import make_kernel
-
-MiB = 1 << 20
+from vattn import CacheStats
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    model: str | None = None
-    """A safetensors folder or .gguf file; None is the default model (fetched on first use)."""
-    dtype: str = "float32"
-    max_slots: int = 64
-    """Requests running at once (KV slots)."""
-    max_context: int = 2048
-    """Prompt plus output tokens of one request (capped at the model's own limit)."""
-    max_batched_tokens: int = 256
-    """Tokens one iteration computes: prefill chunks plus decodes."""
-    kv_budget: int = 1024 * MiB
-    """Physical bytes the KV cache may map."""
-    page_size: int = 64 * 1024
-    backend: str = "host"
-    kernel: str = "sdpa"
-    seed: int = 0
-    """Random stream of requests that give no seed of their own."""
+class EngineStats:
+    """A snapshot of the engine between iterations."""
+
+    running: int
+    waiting: int
+    preemptions: int
+    iterations: int
+    kv: CacheStats
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        if not isinstance(config.max_batched_tokens, int) or config.max_batched_tokens < 1:
-            raise ValueError(f"max_batched_tokens must be a positive integer, got {config.max_batched_tokens!r}")
-        dtype = getattr(torch, config.dtype, None)
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {config.dtype!r}")
-        model, self.tokenizer = load_model(config.model or ensure_default_model(), dtype)
+        model, self.tokenizer = load_model(config.model or ensure_default_model(), config.torch_dtype)
         shape = model_shape(model)
         self.max_context = min(config.max_context, shape.max_position)
-        cache_config = KVCacheConfig(
-            num_layers=shape.num_layers,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            max_slots=config.max_slots,
-            max_context=self.max_context,
-            dtype=dtype,
-            page_size=config.page_size,
-            backend=config.backend,
-            memory_budget=config.kv_budget,
-        )
-        full_request = cache_config.pages_for(self.max_context) * cache_config.num_buffers * config.page_size
-        if config.kv_budget < full_request:
-            raise ValueError(
-                f"kv_budget {config.kv_budget} B cannot hold one request at the max context "
-                f"({self.max_context} tokens need {full_request} B): raise it or lower max_context"
-            )
-        self.cache = KVCache(cache_config)
-        self.runner = ModelRunner(model, make_kernel(config.kernel, self.cache, shape.num_query_heads))
-        self.scheduler = Scheduler(self.cache, config.max_batched_tokens)
-        self._requests: dict[str, Sequence] = {}
+        self._vocab_size = shape.vocab_size
+        self.kv: KVStore = VirtualKVStore(config, shape, self.max_context)
+        """Slots and pages; callers read it through `stats()`, tests inspect the allocator behind it."""
+        self._runner = ModelRunner(model, self.kv.attend)
+        self._scheduler = Scheduler(self.kv, config.max_batched_tokens)
+        self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._generator = torch.Generator().manual_seed(config.seed)
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self._changed: dict[Sequence, None] = {}
+        self._changed: dict[Request, None] = {}
         """Requests that moved since the last step() returned (ordered, no repeats)."""
-        self.iterations = 0
+        self._iterations = 0
 
     # ------------------------------------------------------------------ requests
 
     def add_request(
-        self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         """Queues a prompt (text or token ids); returns its id. Bad input raises ValueError."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
-        if len(ids) >= self.max_context:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens but the max context is {self.max_context} "
-                "(prompt plus at least one generated token)"
-            )
+        generation_room(len(ids), self.max_context)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(
+        request = Request(
             request_id=request_id,
             prompt=text,
             prompt_ids=ids,
@@ -114,98 +81,125 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
             generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
         )
-        self._requests[request_id] = seq
-        self.scheduler.add(seq)
+        self._requests[request_id] = request
+        self._scheduler.add(request)
         return request_id
 
+    def add_requests(
+        self, prompts: Sequence[str | Sequence[int]], params: Sequence[SamplingParams | None]
+    ) -> list[str]:
+        """Queues prompt i with params i, all or none: a bad one withdraws those queued before it."""
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.add_request(prompt, p))
+        except ValueError:
+            for request_id in ids:
+                self.abort(request_id)
+            raise
+        return ids
+
     def abort(self, request_id: str) -> None:
-        """Ends a request now; its slot is free before the next iteration."""
-        seq = self._requests.get(request_id)
-        if seq is not None and not seq.finished:
-            self._finish(seq, "abort")
+        """Ends a request now and forgets it (no delta or result follows); its slot is free
+        before the next iteration. Unknown ids are ignored: the request may have been collected."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        if not request.finished:
+            self._scheduler.finish(request, "abort")
+        self._changed.pop(request, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self._scheduler.has_work()
 
     def result(self, request_id: str) -> RequestOutput:
         """A finished request's output; the engine forgets it."""
-        seq = self._requests[request_id]
-        if not seq.finished:
+        request = self._requests[request_id]
+        if not request.finished:
             raise ValueError(f"request {request_id!r} has not finished")
         del self._requests[request_id]
-        self._changed.pop(seq, None)
-        return RequestOutput.of(seq)
+        self._changed.pop(request, None)
+        return RequestOutput.of(request)
+
+    def stats(self) -> EngineStats:
+        scheduler = self._scheduler
+        return EngineStats(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            preemptions=scheduler.preemptions,
+            iterations=self._iterations,
+            kv=self.kv.stats(),
+        )
 
     # ------------------------------------------------------------------ iterations
 
     def step(self) -> list[StreamDelta]:
         """Runs one iteration; returns what each request that moved (or ended) produced."""
-        batch = self.scheduler.schedule()
+        batch = self._scheduler.schedule()
         if batch is not None:
-            self._run(batch.seqs, batch.new_tokens, [batch.samples(i) for i in range(len(batch.seqs))])
-        deltas = [delta for seq in self._changed if (delta := self._delta(seq)) is not None]
+            samples = [batch.samples(i) for i in range(len(batch.requests))]
+            self._run(batch.requests, batch.new_tokens, samples)
+        deltas = [delta for request in self._changed if (delta := self._delta(request)) is not None]
         self._changed.clear()
         return deltas
 
-    def _run(self, seqs: list[Sequence], new_tokens: list[int], samples: list[bool]) -> None:
+    def _run(self, requests: list[Request], new_tokens: list[int], samples: list[bool]) -> None:
         ids: list[int] = []
-        positions: list[int] = []
-        for seq, n in zip(seqs, new_tokens, strict=True):
-            ids += seq.all_ids[seq.num_computed : seq.num_computed + n]
-            positions += range(seq.num_computed, seq.num_computed + n)
-        attention = self.runner.kernel.plan([seq.reqid for seq in seqs], new_tokens)
-        device = self.cache.device
-        hidden = self.runner.forward(
-            torch.tensor(ids, device=device), torch.tensor(positions, device=device), attention
-        )
-        for seq, n in zip(seqs, new_tokens, strict=True):
-            seq.num_computed += n
-        self.iterations += 1
+        for request, n in zip(requests, new_tokens, strict=True):
+            ids += request.all_ids[request.num_computed : request.num_computed + n]
+        attention = self.kv.plan([r.slot for r in requests], new_tokens)  # type: ignore[misc]
+        device = self.kv.device
+        hidden = self._runner.forward(torch.tensor(ids, device=device), attention)
+        for request, n in zip(requests, new_tokens, strict=True):
+            request.num_computed += n
+        self._iterations += 1
         rows = [attention.starts[i + 1] - 1 for i, sampled in enumerate(samples) if sampled]
         if not rows:
             return
-        sampled_seqs = [seq for seq, sampled in zip(seqs, samples, strict=True) if sampled]
-        logits = self.runner.logits(hidden[torch.tensor(rows, device=device)]).cpu()
-        for seq, (token, logprob) in zip(sampled_seqs, sample(logits, sampled_seqs, self._generator), strict=True):
-            self._append(seq, token, logprob)
+        sampled = [request for request, wanted in zip(requests, samples, strict=True) if wanted]
+        logits = self._runner.logits(hidden[torch.tensor(rows, device=device)]).cpu()
+        for request, (token, logprob) in zip(sampled, sample(logits, sampled, self._generator), strict=True):
+            self._append(request, token, logprob)
 
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+    def _append(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         """Adds a sampled token, its text, and ends the request if a stop condition is met."""
-        params = seq.params
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-        seq.output_ids.append(token)
+        params = request.params
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        request.output_ids.append(token)
         if logprob is not None:
-            seq.logprobs.append(logprob)
-        self._changed[seq] = None
+            request.logprobs.append(logprob)
+        self._changed[request] = None
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            self._finish(seq, "stop")
+            self._finish(request, "stop")
             return
-        seq.detokenizer.add(token)
-        cut = _stop_index(seq.text, params.stop)
+        request.detokenizer.add(token)
+        cut = _stop_index(request.text, params.stop)
         if cut is not None:
-            seq.detokenizer.truncate(cut)
-            self._finish(seq, "stop")
-        elif len(seq.output_ids) >= params.max_tokens or seq.length >= self.max_context:
-            self._finish(seq, "length")
+            request.detokenizer.truncate(cut)
+            self._finish(request, "stop")
+        elif len(request.output_ids) >= params.max_tokens or request.length >= self.max_context:
+            self._finish(request, "length")
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
-        seq.finish_time = time.monotonic()
-        self._changed[seq] = None
+    def _finish(self, request: Request, reason: str) -> None:
+        self._scheduler.finish(request, reason)
+        request.finish_time = time.monotonic()
+        self._changed[request] = None
 
-    def _delta(self, seq: Sequence) -> StreamDelta | None:
-        """What `seq` produced since its last delta; text that may begin a stop string waits."""
-        text = seq.text if seq.finished else seq.text[: len(seq.text) - _held_back(seq.text, seq.params.stop)]
-        new_text, new_ids = text[seq.emitted_chars :], seq.output_ids[seq.emitted_tokens :]
-        if not new_text and not new_ids and not (seq.finished and not seq.finish_reported):
+    def _delta(self, request: Request) -> StreamDelta | None:
+        """What `request` produced since its last delta; text that may begin a stop string waits."""
+        text = request.text
+        if not request.finished:
+            text = text[: len(text) - _held_back(text, request.params.stop)]
+        new_text, new_ids = text[request.emitted_chars :], request.output_ids[request.emitted_tokens :]
+        if not new_text and not new_ids and not (request.finished and not request.finish_reported):
             return None
-        logprobs = seq.logprobs[seq.emitted_tokens :] if seq.params.logprobs is not None else None
-        seq.emitted_chars, seq.emitted_tokens = len(text), len(seq.output_ids)
-        seq.finish_reported = seq.finished
-        return StreamDelta(seq.request_id, new_text, new_ids, logprobs, seq.finish_reason)
+        logprobs = request.logprobs[request.emitted_tokens :] if request.params.logprobs is not None else None
+        request.emitted_chars, request.emitted_tokens = len(text), len(request.output_ids)
+        request.finish_reported = request.finished
+        return StreamDelta(request.request_id, new_text, new_ids, logprobs, request.finish_reason)
 
-    def _prompt_ids(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
@@ -215,13 +209,12 @@ class LLMEngine:
             raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("the prompt is empty")
-        vocab = self.runner.shape.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < self._vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self._vocab_size})")
         return None, ids
 
     def close(self) -> None:
-        self.cache.close()
+        self.kv.close()
 
 
 def _stop_index(text: str, stops: tuple[str, ...]) -> int | None:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from collections.abc import Sequence as Seq
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from serving.chat_template import chat_prompt_ids
-from serving.engine import EngineConfig, LLMEngine
+from serving.config import EngineConfig
+from serving.engine import LLMEngine
 from serving.outputs import RequestOutput, StreamDelta
 from serving.sampling_params import SamplingParams
 
@@ -25,8 +25,8 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Seq[Prompt],
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion in one continuous batch; outputs in prompt order."""
@@ -36,7 +36,7 @@ class LLM:
         per_prompt = list(params) if isinstance(params, list | tuple) else [params] * len(batch)
         if len(per_prompt) != len(batch):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
-        ids = self._add_all(batch, per_prompt)
+        ids = self.engine.add_requests(batch, per_prompt)
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
                 bar.update(sum(delta.finished for delta in self.engine.step()))
@@ -52,35 +52,21 @@ class LLM:
                     if delta.request_id == request_id:
                         finished = delta.finished
                         yield delta
-        finally:  # a no-op for a finished request; frees the slot of an abandoned one
+        finally:  # forgets a finished request; frees the slot of an abandoned one
             self.engine.abort(request_id)
-            self.engine.result(request_id)
 
     def chat(
-        self, messages: Seq[Mapping[str, str]], params: SamplingParams | None = None, use_tqdm: bool = False
+        self, messages: Sequence[Mapping[str, str]], params: SamplingParams | None = None, use_tqdm: bool = False
     ) -> RequestOutput:
         """Answers a conversation through the model's chat template."""
         return self.generate([self.chat_prompt(messages)], params, use_tqdm)[0]
 
-    def chat_prompt(self, messages: Seq[Mapping[str, str]]) -> list[int]:
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Token ids of a conversation with the assistant's turn opened."""
         return chat_prompt_ids(self.tokenizer, messages)
 
     def close(self) -> None:
         self.engine.close()
-
-    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams | None]) -> list[str]:
-        """Queues all prompts, or none: a bad one withdraws those queued before it."""
-        ids: list[str] = []
-        try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(prompt, p))
-        except ValueError:
-            for request_id in ids:
-                self.engine.abort(request_id)
-                self.engine.result(request_id)
-            raise
-        return ids
 
 
 def _is_token_ids(prompt: object) -> bool:

@@ -2,12 +2,13 @@
 
 The weights and layers are transformers' own modules (Llama, Mistral, Qwen2, SmolLM share
 this shape); only attention changes: each layer's new K/V go straight into the request
-slots through an attention kernel, which attends over views of the virtual tensors. No HF
+slots through the KV store's attention, which attends over views of its tensors. No HF
 cache object, no concatenation or copy of past KV.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,10 @@ import torch
 from torch import Tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from vattn.kernels import AttentionBatch, AttentionKernel
+from vattn.kernels import AttentionBatch
+
+Attend = Callable[[int, AttentionBatch, Tensor, Tensor, Tensor], Tensor]
+"""(layer, batch, q, k, v) -> attention output: stores the new K/V and attends over the cache."""
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -65,18 +69,18 @@ def model_shape(model: Any) -> ModelShape:
 class ModelRunner:
     """Runs one iteration's tokens (prefill chunks and decodes together) through the model."""
 
-    def __init__(self, model: Any, kernel: AttentionKernel) -> None:
+    def __init__(self, model: Any, attend: Attend) -> None:
         self.shape = model_shape(model)
         self._model = model
         self._body = model.model
-        self.kernel = kernel
+        self._attend = attend
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, positions: Tensor, batch: AttentionBatch) -> Tensor:
-        """Hidden states `[tokens, hidden]` after the final norm, for ids at `positions`."""
+    def forward(self, input_ids: Tensor, batch: AttentionBatch) -> Tensor:
+        """Hidden states `[tokens, hidden]` after the final norm; token positions come from the batch."""
         shape, body = self.shape, self._body
         hidden = body.embed_tokens(input_ids)
-        cos, sin = body.rotary_emb(hidden, positions[None])
+        cos, sin = body.rotary_emb(hidden, batch.token_positions[None])
         cos, sin = cos[0], sin[0]
         tokens = input_ids.shape[0]
         for index, layer in enumerate(body.layers):
@@ -86,7 +90,7 @@ class ModelRunner:
             k = attention.k_proj(x).view(tokens, shape.num_kv_heads, shape.head_dim)
             v = attention.v_proj(x).view(tokens, shape.num_kv_heads, shape.head_dim)
             q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
-            attended = self.kernel.forward(index, batch, q, k, v)
+            attended = self._attend(index, batch, q, k, v)
             hidden = hidden + attention.o_proj(attended.reshape(tokens, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return body.norm(hidden)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serving.sequence import Sequence, TokenLogprob
+from serving.request import Request, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -23,18 +23,18 @@ class RequestOutput:
     preemptions: int
 
     @classmethod
-    def of(cls, seq: Sequence) -> RequestOutput:
+    def of(cls, request: Request) -> RequestOutput:
         return cls(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=list(seq.prompt_ids),
-            text=seq.text,
-            token_ids=list(seq.output_ids),
-            finish_reason=seq.finish_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            ttft=None if seq.first_token_time is None else seq.first_token_time - seq.arrival,
-            latency=None if seq.finish_time is None else seq.finish_time - seq.arrival,
-            preemptions=seq.preemptions,
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=list(request.prompt_ids),
+            text=request.text,
+            token_ids=list(request.output_ids),
+            finish_reason=request.finish_reason,
+            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+            ttft=None if request.first_token_time is None else request.first_token_time - request.arrival,
+            latency=None if request.finish_time is None else request.finish_time - request.arrival,
+            preemptions=request.preemptions,
         )
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from serving.sequence import Sequence, TokenLogprob
+from serving.request import Request, TokenLogprob
 
 
-def sample(logits: Tensor, seqs: list[Sequence], fallback: torch.Generator) -> list[tuple[int, TokenLogprob | None]]:
+def sample(logits: Tensor, requests: list[Request], fallback: torch.Generator) -> list[tuple[int, TokenLogprob | None]]:
     """One token per row of `logits` `[rows, vocab]` (float32, CPU).
 
     Log-probabilities are those of the model's own distribution (before temperature and
@@ -16,12 +16,12 @@ def sample(logits: Tensor, seqs: list[Sequence], fallback: torch.Generator) -> l
     """
     log_probs = torch.log_softmax(logits, dim=-1)
     results = []
-    for row, seq in zip(logits, seqs, strict=True):
-        params = seq.params
+    for row, request in zip(logits, requests, strict=True):
+        params = request.params
         if params.greedy:
             token = int(row.argmax())
         else:
-            token = _draw(row, params.temperature, params.top_k, params.top_p, seq.generator or fallback)
+            token = _draw(row, params.temperature, params.top_k, params.top_p, request.generator or fallback)
         logprob = None
         if params.logprobs is not None:
             own = log_probs[len(results)]

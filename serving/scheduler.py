@@ -1,117 +1,105 @@
-"""Continuous batching with chunked prefill: what runs in the next iteration, and its KV pages.
+"""Continuous batching with chunked prefill: what runs in the next iteration, and its KV.
 
 Each iteration spends at most `max_batched_tokens`: running requests first (a decode
-token, or the next chunk of a prompt), then waiting requests as long as a slot and pages
-are free. The KV store maps the iteration's pages before the model runs; if it runs out,
-the newest running request is preempted (its slot freed, its tokens recomputed later)
-and the iteration is planned again.
+token, or the next chunk of a prompt), then waiting requests as long as the KV store
+admits them. The store grows every slot before the model runs; if it runs out of
+pages, the newest running request is preempted (its slot freed, its tokens recomputed
+later) and the iteration is planned again.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
-from serving.sequence import Sequence, Status
+from serving.kv_store import KVStore
+from serving.request import Request, RequestStatus
 from vattn.errors import OutOfPagesError
-
-
-class KVStore(Protocol):
-    """What the engine needs of a KV cache: vattn.KVCache, or a paged baseline."""
-
-    def alloc_reqid(self) -> int: ...
-
-    def free_reqid(self, reqid: int) -> None: ...
-
-    def step(self, seq_lens: Mapping[int, int]) -> None: ...
-
-    def can_admit(self, num_tokens: int) -> bool: ...
 
 
 @dataclass(frozen=True)
 class ScheduledBatch:
     """The requests of one iteration and how many of each one's tokens it computes."""
 
-    seqs: list[Sequence]
+    requests: list[Request]
     new_tokens: list[int]
 
     def samples(self, i: int) -> bool:
         """Whether request i's chunk reaches its last token, so the iteration samples for it."""
-        seq = self.seqs[i]
-        return seq.num_computed + self.new_tokens[i] == seq.length
+        request = self.requests[i]
+        return request.num_computed + self.new_tokens[i] == request.length
 
 
 class Scheduler:
     def __init__(self, kv: KVStore, max_batched_tokens: int) -> None:
         self.kv = kv
         self.max_batched_tokens = max_batched_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
         self.preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
-        """Plans the next iteration and maps its pages; None when nothing can run."""
+        """Plans the next iteration and grows its slots; None when nothing can run."""
         admit = True
         while True:
             plan = self._plan(admit)
             if not plan:
                 return None
             try:
-                self.kv.step({seq.reqid: seq.num_computed + n for seq, n in plan if seq.reqid is not None})
+                self.kv.grow({r.slot: r.num_computed + n for r, n in plan if r.slot is not None})
             except OutOfPagesError:
                 if len(self.running) <= 1:
                     raise  # one request alone outgrows the pool: the engine sized it wrong
-                self.preempt(max(self.running, key=lambda seq: seq.arrival))
+                self.preempt(max(self.running, key=lambda r: r.arrival))
                 admit = False  # or the request just preempted could be admitted again
                 continue
-            return ScheduledBatch([seq for seq, _ in plan], [n for _, n in plan])
+            return ScheduledBatch([r for r, _ in plan], [n for _, n in plan])
 
-    def _plan(self, admit: bool) -> list[tuple[Sequence, int]]:
+    def _plan(self, admit: bool) -> list[tuple[Request, int]]:
         budget, plan = self.max_batched_tokens, []
-        for seq in self.running:
+        for request in self.running:
             if budget == 0:
                 break
-            n = min(seq.length - seq.num_computed, budget)
-            plan.append((seq, n))
+            n = min(request.length - request.num_computed, budget)
+            plan.append((request, n))
             budget -= n
         while admit and self.waiting and budget > 0:
-            seq = self.waiting[0]
-            n = min(seq.length, budget)
-            if not self.kv.can_admit(n):
+            request = self.waiting[0]
+            n = min(request.length, budget)
+            slot = self.kv.admit(n)
+            if slot is None:
                 break
             self.waiting.popleft()
-            seq.reqid, seq.status = self.kv.alloc_reqid(), Status.RUNNING
-            self.running.append(seq)
-            plan.append((seq, n))
+            request.slot, request.status = slot, RequestStatus.RUNNING
+            self.running.append(request)
+            plan.append((request, n))
             budget -= n
         return plan
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, request: Request) -> None:
         """Frees a running request's slot; it waits at the front and is recomputed from scratch."""
-        self._release(seq)
-        seq.status, seq.num_computed = Status.WAITING, 0
-        seq.preemptions += 1
+        self._release(request)
+        request.status, request.num_computed = RequestStatus.WAITING, 0
+        request.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.appendleft(request)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, request: Request, reason: str) -> None:
         """Ends a request (done or aborted) and frees its slot at once."""
-        if seq.status is Status.RUNNING:
-            self._release(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        seq.status, seq.finish_reason = Status.FINISHED, reason
+        if request.status is RequestStatus.RUNNING:
+            self._release(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status, request.finish_reason = RequestStatus.FINISHED, reason
 
-    def _release(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        if seq.reqid is not None:
-            self.kv.free_reqid(seq.reqid)
-            seq.reqid = None
+    def _release(self, request: Request) -> None:
+        self.running.remove(request)
+        if request.slot is not None:
+            self.kv.free(request.slot)
+            request.slot = None

@@ -11,11 +11,12 @@ from typing import Any
 
 import uvicorn
 
-from serving.api_server import ServerSettings, build_app
-from serving.async_engine import AsyncEngine
-from serving.engine import EngineConfig, LLMEngine
+from serving.config import EngineConfig
+from serving.engine import LLMEngine
+from serving.server.app import ServerSettings, build_app
+from serving.server.async_engine import AsyncEngine
+from vattn.sizes import MiB
 
-MiB = 1 << 20
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -33,7 +34,7 @@ class LiveServer:
         """(free slots, free pages, pool pages) once idle slots give their pages back."""
 
         def release(engine: LLMEngine) -> tuple[int, int, int]:
-            cache = engine.cache
+            cache = engine.kv.cache
             assert cache.stats().active_bytes == 0
             cache.wait_for_background()
             cache.release_idle()

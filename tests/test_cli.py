@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serving.cli import parser, size
+from serving.server.cli import parser, size
 
 VATTN = Path(sys.executable).parent / "vattn"
 

@@ -17,13 +17,14 @@ from test_stateful import CacheMachine, run_machine
 from vattn import KVCache, KVCacheConfig, UnavailableError
 from vattn.backends.cuda import CudaBackend
 from vattn.kernels import KERNELS
+from vattn.sizes import MiB
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(importlib.util.find_spec("cuda") is None, reason="needs cuda-python (pip install 'vattn[gpu]')"),
 ]
 
-MiB = 1 << 20
+
 PAGE = 2 * MiB
 LONG_ITERATIONS = [
     {"a": 1500, "b": 2100, "c": 900},

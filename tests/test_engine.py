@@ -65,9 +65,9 @@ def run_staggered(llm: LLM, prompts: list[str], params: SamplingParams) -> list[
 
 
 def test_greedy_matches_hf_generate_under_continuous_batching(llm: LLM, hf_greedy: list[list[int]]) -> None:
-    chunked_before = llm.engine.iterations
+    chunked_before = llm.engine.stats().iterations
     assert run_staggered(llm, PROMPTS, GREEDY) == hf_greedy
-    assert llm.engine.iterations > chunked_before
+    assert llm.engine.stats().iterations > chunked_before
     assert len(llm.tokenizer(PROMPTS[-1]).input_ids) > ENGINE["max_batched_tokens"]  # chunked prefill ran
 
 
@@ -77,8 +77,8 @@ def test_preemption_keeps_outputs_and_returns_every_page(hf_greedy: list[list[in
     small = LLM(**{**ENGINE, "kv_budget": 8 << 20, "max_context": 160})
     try:
         assert run_staggered(small, PROMPTS, GREEDY) == hf_greedy
-        assert small.engine.scheduler.preemptions > 0
-        cache = small.engine.cache
+        assert small.engine.stats().preemptions > 0
+        cache = small.engine.kv.cache
         assert cache.num_free_slots() == ENGINE["max_slots"] and cache.stats().active_bytes == 0
         cache.wait_for_background()
         cache.release_idle()
@@ -97,7 +97,7 @@ def test_loads_the_gguf_file_and_bfloat16(hf_greedy: list[list[int]]) -> None:
         from_gguf.close()
     half = LLM(dtype="bfloat16", **small)
     try:
-        assert half.engine.cache.config.dtype == torch.bfloat16
+        assert half.engine.kv.cache.config.dtype == torch.bfloat16
         (out,) = half.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
         assert "Paris" in out.text
     finally:
@@ -160,7 +160,7 @@ def test_closing_a_stream_aborts_it_and_frees_its_slot(llm: LLM) -> None:
     next(stream)
     stream.close()
     assert not llm.engine.has_unfinished()
-    assert llm.engine.cache.num_free_slots() == ENGINE["max_slots"]
+    assert llm.engine.kv.cache.num_free_slots() == ENGINE["max_slots"]
 
 
 def test_incremental_detokenization_of_multibyte_text(llm: LLM) -> None:
@@ -201,4 +201,4 @@ def test_chat_uses_the_model_template(llm: LLM) -> None:
 def test_bad_input_raises_value_error_and_queues_nothing(llm: LLM, make: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make(llm)
-    assert not llm.engine.has_unfinished() and llm.engine.cache.num_free_slots() == ENGINE["max_slots"]
+    assert not llm.engine.has_unfinished() and llm.engine.kv.cache.num_free_slots() == ENGINE["max_slots"]

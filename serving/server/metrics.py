@@ -8,25 +8,14 @@ iteration, so a scrape never reaches into the engine while it runs.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from serving.engine import LLMEngine
-from vattn.stats import CacheStats
+from serving.engine import EngineStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    running: int
-    waiting: int
-    preemptions: int
-    memory_budget: int
-    cache: CacheStats
 
 
 class ServerMetrics(Collector):
@@ -55,20 +44,13 @@ class ServerMetrics(Collector):
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self._snapshot: EngineSnapshot | None = None
+        self._snapshot: EngineStats | None = None
         self.registry.register(self)
 
     # ------------------------------------------------------------- engine thread
 
-    def update(self, engine: LLMEngine) -> None:
-        scheduler = engine.scheduler
-        self._snapshot = EngineSnapshot(
-            running=len(scheduler.running),
-            waiting=len(scheduler.waiting),
-            preemptions=scheduler.preemptions,
-            memory_budget=engine.cache.config.pool_pages * engine.cache.config.page_size,
-            cache=engine.cache.stats(),
-        )
+    def update(self, stats: EngineStats) -> None:
+        self._snapshot = stats
 
     def observe_tokens(self, arrival: float, last_token: float | None, now: float, count: int) -> None:
         """`count` tokens of one request came out at `now`."""
@@ -94,7 +76,7 @@ class ServerMetrics(Collector):
         snap = self._snapshot
         if snap is None:
             return
-        cache, counters = snap.cache, snap.cache.counters
+        cache, counters = snap.kv, snap.kv.counters
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(f"vattn:{name}", doc, value=value)
@@ -104,7 +86,7 @@ class ServerMetrics(Collector):
 
         yield gauge("num_requests_running", "Requests holding a KV slot.", snap.running)
         yield gauge("num_requests_waiting", "Requests queued for a KV slot.", snap.waiting)
-        usage = cache.active_bytes / snap.memory_budget
+        usage = cache.active_bytes / (cache.pool_pages * cache.page_size)
         yield gauge("kv_cache_usage_perc", "Active KV bytes over the KV budget.", usage)
         yield counter("num_preemptions", "Requests preempted (recomputed later).", snap.preemptions)
         yield gauge("kv_mapped_bytes", "Physical bytes mapped behind KV slots.", cache.mapped_bytes)
@@ -113,7 +95,7 @@ class ServerMetrics(Collector):
         yield gauge("kv_waste_bytes", "Mapped bytes that hold no token.", cache.waste_bytes)
         yield gauge("kv_free_pages", "Physical pages in the pool, unmapped.", cache.free_bytes // cache.page_size)
         yield gauge("kv_pool_pages", "Physical pages the KV budget allows.", cache.pool_pages)
-        yield gauge("kv_active_slots", "KV slots (reqids) in use.", cache.active_slots)
+        yield gauge("kv_active_slots", "KV slots in use.", cache.active_slots)
         needs = CounterMetricFamily(
             "vattn:kv_page_needs", "Pages a step needed, by who had mapped them.", labels=["met_by"]
         )

@@ -12,10 +12,20 @@ from serving.detokenizer import IncrementalDetokenizer
 from serving.sampling_params import SamplingParams
 
 
-class Status(Enum):
+class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+def generation_room(prompt_tokens: int, max_context: int) -> int:
+    """Tokens a prompt leaves for generation; ValueError when it leaves none."""
+    if prompt_tokens >= max_context:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens but the max context is {max_context} tokens "
+            "(prompt plus at least one generated token)"
+        )
+    return max_context - prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -28,8 +38,8 @@ class TokenLogprob:
 
 
 @dataclass(eq=False)
-class Sequence:
-    """A request's state. Its KV covers `all_ids[:num_computed]` in slot `reqid`.
+class Request:
+    """A request's state. Its KV covers `all_ids[:num_computed]` in KV slot `slot`.
 
     Preemption frees the slot and sets `num_computed` to 0: the prompt and the tokens
     generated so far are computed again when the request is scheduled next.
@@ -44,8 +54,8 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    status: Status = Status.WAITING
-    reqid: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None
     num_computed: int = 0
     finish_reason: str | None = None
     emitted_chars: int = 0
@@ -70,4 +80,4 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.status is Status.FINISHED
+        return self.status is RequestStatus.FINISHED

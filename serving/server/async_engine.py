@@ -15,16 +15,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Collection
-from collections.abc import Sequence as Seq
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from serving.engine import EngineConfig, LLMEngine
-from serving.metrics import ServerMetrics
+from serving.config import EngineConfig
+from serving.engine import LLMEngine
 from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
+from serving.server.metrics import ServerMetrics
 
 log = logging.getLogger("vattn.serve")
 T = TypeVar("T")
@@ -37,12 +37,10 @@ class NotReadyError(Exception):
 class OverloadedError(Exception):
     """The queue of accepted requests is full; the client should retry later."""
 
-    retry_after = 1
-
 
 @dataclass
-class _Request:
-    """A request as the engine thread delivers it: which choice it is and where its deltas go."""
+class _Subscriber:
+    """Where the engine thread delivers one request's deltas: its choice index in its group's queue."""
 
     index: int
     group: asyncio.Queue[tuple[int, StreamDelta] | BaseException]
@@ -97,7 +95,8 @@ class AsyncEngine:
         self.config = config
         self.max_pending = max_pending
         self.metrics = metrics
-        self.engine: LLMEngine | None = None
+        self._engine: LLMEngine | None = None
+        """Owned by the engine thread once loaded; the event loop only checks that it exists."""
         self.tokenizer: Any = None
         """The event loop's own copy, so that tokenizing never shares state with the engine thread."""
         self.load_error: BaseException | None = None
@@ -108,13 +107,18 @@ class AsyncEngine:
         self._stopping = False
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._requests: dict[str, _Request] = {}
+        self._subscribers: dict[str, _Subscriber] = {}
         """Owned by the engine thread."""
         self._thread = threading.Thread(target=self._run, name="vattn-engine", daemon=True)
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self._stopping and self._thread.is_alive()
+        return self._engine is not None and not self._stopping and self._thread.is_alive()
+
+    @property
+    def max_context(self) -> int:
+        """Prompt plus output tokens of one request: the model's limit once loaded, else the configured one."""
+        return self._engine.max_context if self._engine else self.config.max_context
 
     def start(self) -> None:
         self._thread.start()
@@ -133,7 +137,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------- event loop side
 
-    async def submit(self, prompts: Seq[list[int]], params: Seq[SamplingParams]) -> RequestGroup:
+    async def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> RequestGroup:
         """Queues prompt i with params i, all or none (bad input raises ValueError, as the engine does)."""
         if not self.ready:
             raise NotReadyError(self.not_ready_reason())
@@ -170,7 +174,7 @@ class AsyncEngine:
         return future
 
     def _post(self, command: Callable[[LLMEngine], None]) -> None:
-        self._commands.put(lambda: command(self.engine))  # type: ignore[arg-type]
+        self._commands.put(lambda: command(self._engine))  # type: ignore[arg-type]
         self._wakeup.set()
 
     def not_ready_reason(self) -> str:
@@ -183,41 +187,32 @@ class AsyncEngine:
     def _add_group(
         self,
         engine: LLMEngine,
-        prompts: Seq[list[int]],
-        params: Seq[SamplingParams],
+        prompts: Sequence[list[int]],
+        params: Sequence[SamplingParams],
         group: asyncio.Queue[tuple[int, StreamDelta] | BaseException],
         loop: asyncio.AbstractEventLoop,
         arrival: float,
     ) -> list[str]:
-        ids: list[str] = []
-        try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(engine.add_request(prompt, p))
-        except ValueError:
-            for request_id in ids:  # all or none: withdraw those queued before the bad one
-                engine.abort(request_id)
-                engine.result(request_id)
-            raise
+        ids = engine.add_requests(prompts, params)
         for index, request_id in enumerate(ids):
-            self._requests[request_id] = _Request(index, group, loop, arrival)
+            self._subscribers[request_id] = _Subscriber(index, group, loop, arrival)
         self.metrics.prompt_tokens.inc(sum(map(len, prompts)))
         return ids
 
     def _abort(self, engine: LLMEngine, request_ids: Collection[str]) -> None:
         for request_id in request_ids:
-            request = self._requests.pop(request_id, None)
-            if request is None:
+            subscriber = self._subscribers.pop(request_id, None)
+            if subscriber is None:
                 continue  # finished in the iteration before the abort arrived, or never added
             engine.abort(request_id)
-            engine.result(request_id)
-            self.metrics.observe_finish(request.arrival, time.monotonic(), "abort")
+            self.metrics.observe_finish(subscriber.arrival, time.monotonic(), "abort")
 
     def _run(self) -> None:
         try:
             engine = LLMEngine(self.config)
             self.tokenizer = copy.deepcopy(engine.tokenizer)
-            self.metrics.update(engine)
-            self.engine = engine
+            self.metrics.update(engine.stats())
+            self._engine = engine
         except BaseException as error:
             self.load_error = error
             log.exception("the model failed to load")
@@ -229,7 +224,7 @@ class AsyncEngine:
                 self._wakeup.clear()
                 self._run_commands()
                 if not engine.has_unfinished():
-                    self.metrics.update(engine)
+                    self.metrics.update(engine.stats())
                     self._wakeup.wait()
                     continue
                 try:
@@ -239,7 +234,7 @@ class AsyncEngine:
                     self._fail_all(engine, error)
                     continue
                 self._deliver(engine, deltas)
-                self.metrics.update(engine)
+                self.metrics.update(engine.stats())
         finally:
             self._fail_all(engine, NotReadyError("the server is stopping"))
             engine.close()
@@ -255,27 +250,26 @@ class AsyncEngine:
     def _deliver(self, engine: LLMEngine, deltas: list[StreamDelta]) -> None:
         now = time.monotonic()
         for delta in deltas:
-            request = self._requests.get(delta.request_id)
-            if request is None:
+            subscriber = self._subscribers.get(delta.request_id)
+            if subscriber is None:
                 continue
             if delta.token_ids:
-                self.metrics.observe_tokens(request.arrival, request.last_token, now, len(delta.token_ids))
-                request.last_token = now
+                self.metrics.observe_tokens(subscriber.arrival, subscriber.last_token, now, len(delta.token_ids))
+                subscriber.last_token = now
             if delta.finished:
-                del self._requests[delta.request_id]
+                del self._subscribers[delta.request_id]
                 engine.result(delta.request_id)
-                self.metrics.observe_finish(request.arrival, now, delta.finish_reason)
-            _send(request, (request.index, delta))
+                self.metrics.observe_finish(subscriber.arrival, now, delta.finish_reason)
+            _send(subscriber, (subscriber.index, delta))
 
     def _fail_all(self, engine: LLMEngine, error: BaseException) -> None:
-        requests, self._requests = self._requests, {}
-        for request_id, request in requests.items():
+        subscribers, self._subscribers = self._subscribers, {}
+        for request_id, subscriber in subscribers.items():
             engine.abort(request_id)
-            engine.result(request_id)
-            _send(request, error)
+            _send(subscriber, error)
 
 
-def _send(request: _Request, item: tuple[int, StreamDelta] | BaseException) -> None:
-    """Hands an item to the request's event loop; a loop already closed has no one to tell."""
+def _send(subscriber: _Subscriber, item: tuple[int, StreamDelta] | BaseException) -> None:
+    """Hands an item to the subscriber's event loop; a loop already closed has no one to tell."""
     with contextlib.suppress(RuntimeError):
-        request.loop.call_soon_threadsafe(request.group.put_nowait, item)
+        subscriber.loop.call_soon_threadsafe(subscriber.group.put_nowait, item)

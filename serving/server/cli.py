@@ -5,21 +5,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import fields
 
-from serving.engine import EngineConfig
-
-UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+from serving.config import EngineConfig
+from vattn.backends import BACKENDS
+from vattn.config import DTYPES
+from vattn.sizes import MiB, parse_size
 
 
 def size(text: str) -> int:
-    """Bytes from '65536', '64K', '64KiB', '1G', '512MB' (binary units)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(i?b)?\s*", text.lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 65536, 64K, 512MiB or 1G")
-    return int(match[1]) * UNITS[match[2]]
+    """Bytes from '65536', '64K', '64KiB', '1G', '512MB' (binary units), for argparse."""
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def positive(text: str) -> int:
@@ -42,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--model", help="safetensors folder or .gguf file; None: SmolLM2-135M-Instruct")
     serve.add_argument("--served-model-name", help="the name clients send as `model`; None: the model's own")
-    serve.add_argument("--dtype", default=defaults.dtype, choices=("float32", "bfloat16", "float16"))
+    serve.add_argument("--dtype", default=defaults.dtype, choices=list(DTYPES))
     serve.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the server")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--page-size", type=size, default=defaults.page_size, help="physical KV page size")
@@ -54,10 +54,10 @@ def parser() -> argparse.ArgumentParser:
         "--max-batched-tokens", type=positive, default=defaults.max_batched_tokens, help="tokens per iteration"
     )
     serve.add_argument("--kv-budget", type=size, default=defaults.kv_budget, help="physical bytes for the KV cache")
-    serve.add_argument("--backend", default=defaults.backend, choices=("host", "cuda"))
+    serve.add_argument("--backend", default=defaults.backend, choices=BACKENDS)
     serve.add_argument("--kernel", default=defaults.kernel, help="attention kernel (sdpa, flash_attn, flashinfer_*)")
     serve.add_argument("--max-queue", type=int, default=256, help="requests that may wait; more get 429")
-    serve.add_argument("--max-body-size", type=size, default=1 << 20, help="largest request body")
+    serve.add_argument("--max-body-size", type=size, default=MiB, help="largest request body")
     serve.add_argument(
         "--api-key",
         help="require 'Authorization: Bearer <key>' on /v1/*; read from $VATTN_API_KEY when unset",
@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from serving.api_server import ServerSettings, build_app
+    from serving.server.app import ServerSettings, build_app
 
     settings = ServerSettings(
         engine=EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}),

@@ -1,0 +1,40 @@
+"""How an engine is built: which model, its precision, and the sizes of its KV cache and batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vattn.config import DTYPES
+from vattn.sizes import KiB, MiB
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None
+    """A safetensors folder or .gguf file; None is the default model (fetched on first use)."""
+    dtype: str = "float32"
+    max_slots: int = 64
+    """Requests running at once (KV slots)."""
+    max_context: int = 2048
+    """Prompt plus output tokens of one request (capped at the model's own limit)."""
+    max_batched_tokens: int = 256
+    """Tokens one iteration computes: prefill chunks plus decodes."""
+    kv_budget: int = 1024 * MiB
+    """Physical bytes the KV cache may map."""
+    page_size: int = 64 * KiB
+    backend: str = "host"
+    kernel: str = "sdpa"
+    seed: int = 0
+    """Random stream of requests that give no seed of their own."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_batched_tokens, int) or self.max_batched_tokens < 1:
+            raise ValueError(f"max_batched_tokens must be a positive integer, got {self.max_batched_tokens!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,62 @@
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with a 4xx status.
+
+Every error a client can cause is answered this way; only a bug gets a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("vattn.serve")
+RETRY_AFTER_SECONDS = 1
+"""What 429 and 503 answers tell clients to wait before trying again."""
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(
+    status: int, message: str, kind: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param, status), status_code=status, headers=headers)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status in (429, 503) else None
+        return error_response(error.status, error.message, error.kind, error.param, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        where = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":
+            message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+            return error_response(400, message, "invalid_request_error")
+        if not where:
+            return error_response(400, "the body must be a JSON object (application/json)", "invalid_request_error")
+        param = ".".join(where)
+        return error_response(400, f"{param}: {first.get('msg')}", "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_response(error.status_code, str(error.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, error: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, "internal server error", "internal_error")

@@ -1,0 +1,145 @@
+"""Engine deltas -> OpenAI response bodies and server-sent events, per endpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any
+
+from serving.request import TokenLogprob
+from serving.server.async_engine import NotReadyError, RequestGroup
+from serving.server.errors import error_body
+from serving.server.protocol import new_id, now, usage
+
+log = logging.getLogger("vattn.serve")
+
+
+class ResponseShape(ABC):
+    """How one endpoint turns deltas into a response body or stream chunks."""
+
+    object_name: str
+    chunk_name: str
+    id_prefix: str
+
+    def __init__(self, tokenizer: Any, model: str, n: int, prompts: list[list[int]], wants_logprobs: bool) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.wants_logprobs = wants_logprobs
+        self.prompt_tokens = sum(map(len, prompts)) * n
+        self.id = new_id(self.id_prefix)
+        self.created = now()
+
+    @abstractmethod
+    def choice(self, index: int, text: str, logprobs: Any, finish_reason: str | None, first: bool) -> dict[str, Any]:
+        """A stream chunk's choice; `first` marks the choice's first chunk."""
+
+    @abstractmethod
+    def final_choice(self, index: int, text: str, logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
+        """A whole response's choice."""
+
+    @abstractmethod
+    def logprobs(self, entries: list[TokenLogprob] | None, offset: int) -> Any:
+        """Logprobs of tokens whose text starts at character `offset` of the choice."""
+
+    def envelope(self, name: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        head = {"id": self.id, "object": name, "created": self.created, "model": self.model}
+        return {**head, "choices": choices, **extra}
+
+    async def collect(self, group: RequestGroup) -> dict[str, Any]:
+        texts: dict[int, str] = {}
+        tokens: dict[int, int] = {}
+        logprobs: dict[int, list[TokenLogprob]] = {}
+        reasons: dict[int, str | None] = {}
+        async for index, delta in group.deltas():
+            texts[index] = texts.get(index, "") + delta.text
+            tokens[index] = tokens.get(index, 0) + len(delta.token_ids)
+            logprobs.setdefault(index, []).extend(delta.logprobs or [])
+            reasons[index] = delta.finish_reason
+        choices = [
+            self.final_choice(i, texts[i], self.logprobs(logprobs[i], 0) if self.wants_logprobs else None, reasons[i])
+            for i in sorted(reasons)
+        ]
+        return self.envelope(self.object_name, choices, usage=usage(self.prompt_tokens, sum(tokens.values())))
+
+    async def stream(self, group: RequestGroup, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        completion_tokens = 0
+        offsets: dict[int, int] = {}
+        started: set[int] = set()
+        async for index, delta in group.deltas():
+            completion_tokens += len(delta.token_ids)
+            offset = offsets.get(index, 0)
+            logprobs = self.logprobs(delta.logprobs, offset) if self.wants_logprobs else None
+            offsets[index] = offset + len(delta.text)
+            first = index not in started
+            started.add(index)
+            yield self.envelope(self.chunk_name, [self.choice(index, delta.text, logprobs, delta.finish_reason, first)])
+        if include_usage:
+            yield self.envelope(self.chunk_name, [], usage=usage(self.prompt_tokens, completion_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+class Completions(ResponseShape):
+    object_name = chunk_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def choice(self, index: int, text: str, logprobs: Any, finish_reason: str | None, first: bool) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def final_choice(self, index: int, text: str, logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
+        return self.choice(index, text, logprobs, finish_reason, True)
+
+    def logprobs(self, entries: list[TokenLogprob] | None, offset: int) -> dict[str, Any]:
+        entries = entries or []
+        tokens = [self.token_text(e.token_id) for e in entries]
+        text_offset = []
+        for token in tokens:
+            text_offset.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": text_offset,
+        }
+
+
+class ChatCompletions(ResponseShape):
+    object_name = "chat.completion"
+    chunk_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def choice(self, index: int, text: str, logprobs: Any, finish_reason: str | None, first: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def final_choice(self, index: int, text: str, logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def logprobs(self, entries: list[TokenLogprob] | None, offset: int) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            token = self.token_text(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {
+            "content": [
+                {**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
+                for e in entries or []
+            ]
+        }
+
+
+async def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield f"data: {json.dumps(event)}\n\n"
+    except NotReadyError as error:  # headers are sent: errors travel as an event
+        yield f"data: {json.dumps(error_body(str(error), 'service_unavailable', code=503))}\n\n"
+    except Exception:
+        log.exception("a stream failed")
+        yield f"data: {json.dumps(error_body('internal server error', 'internal_error', code=500))}\n\n"
+    yield "data: [DONE]\n\n"
