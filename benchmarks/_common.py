@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vattn.sizes import KiB, MiB
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,7 +75,7 @@ def _mem_total_bytes() -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
+                return int(line.split()[1]) * KiB
     except (OSError, ValueError):
         pass
     return None
@@ -210,7 +212,7 @@ class CpuShare:
         return self.result
 
 
-def prewarm_memory(nbytes: int, chunk: int = 64 << 20) -> dict[str, Any]:
+def prewarm_memory(nbytes: int, chunk: int = 64 * MiB) -> dict[str, Any]:
     """Touches then frees `nbytes` of anonymous memory; returns the first-touch GB/s seen.
 
     On these VMs guest RAM that was never touched since boot costs the hypervisor a fault

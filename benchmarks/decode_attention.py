@@ -62,9 +62,9 @@ import torch
 from tqdm import tqdm
 
 from benchmarks._common import RESULTS_DIR, command_line, machine_facts, save_figure, write_results
-from benchmarks.gpu_mapping import cannot_run, exit_unless_cuda, gpu_facts, package_version
-from benchmarks.map_bandwidth import parse_size, size_label
+from benchmarks._gpu import cannot_run, exit_unless_cuda, gpu_facts, package_version
 from vattn.errors import UnavailableError
+from vattn.sizes import MiB, parse_size, size_label
 
 VARIANTS = {
     "vattn+flash_attn": "vattn+flash_attn",
@@ -73,7 +73,7 @@ VARIANTS = {
     "paged_flashinfer": "paged flashinfer, block 16",
 }
 """Variant name (command line, CSV) -> label (plot, table)."""
-FLASHINFER_WORKSPACE_BYTES = 128 << 20
+FLASHINFER_WORKSPACE_BYTES = 128 * MiB
 REL_TOLERANCE = 0.05
 """Largest |out - reference| / max |reference| a variant may show (bf16 gives ~0.005)."""
 MISSING = (UnavailableError, ImportError)
@@ -142,7 +142,7 @@ def vattn_case(kernel_name: str, shape: Shape, batch: int, page_size: int, backe
         page_size=page_size,
     )
     slot_pages = probe.pages_for(shape.tokens)
-    max_context = slot_pages * page_size // probe.token_bytes
+    max_context = slot_pages * page_size // probe.bytes_per_token
     pages = batch * slot_pages * probe.num_buffers
     config = dataclasses.replace(
         probe,
@@ -413,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--query-heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--page-size", type=parse_size, default=2 << 20, help="vattn's CUDA page size (2M granules)")
+    parser.add_argument("--page-size", type=parse_size, default=2 * MiB, help="vattn's CUDA page size (2M granules)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: %(default)s")
     parser.add_argument("--iters", type=int, default=100, help="timed calls per variant and batch (median reported)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed calls first")
@@ -431,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     shape = Shape(args.query_heads, args.kv_heads, args.head_dim, torch.bfloat16, args.context)
     device = torch.device("cuda", torch.cuda.current_device())
     gpu = gpu_facts()
-    flush_bytes = 0 if args.no_flush_l2 else max(256 << 20, 2 * (gpu["l2_cache_bytes"] or 0))
+    flush_bytes = 0 if args.no_flush_l2 else max(256 * MiB, 2 * (gpu["l2_cache_bytes"] or 0))
     timer = Timer(args.sleep_us, flush_bytes)
     meta = {"command": command_line(), **machine_facts(), "gpu": gpu, "libraries": library_versions()}
 

@@ -28,6 +28,7 @@ from benchmarks._common import RESULTS_DIR, command_line, machine_facts, percent
 from benchmarks._common import write_results as common_write_results
 from serving import LLM, SamplingParams
 from serving.model_store import ensure_default_model
+from vattn.sizes import MiB
 
 Timings = dict[str, list[float]]
 
@@ -45,14 +46,14 @@ def run_vattn(prompts: list[list[int]], args: argparse.Namespace) -> tuple[float
         max_slots=len(prompts),
         max_context=max(map(len, prompts)) + args.output_tokens,
         max_batched_tokens=args.batched_tokens,
-        kv_budget=args.kv_budget_mib << 20,
+        kv_budget=args.kv_budget_mib * MiB,
     )
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - started
-    preemptions = llm.engine.scheduler.preemptions
+    preemptions = llm.engine.stats().preemptions
     llm.close()
     assert all(len(o.token_ids) == args.output_tokens for o in outputs)
     ttft = [o.ttft for o in outputs if o.ttft is not None]

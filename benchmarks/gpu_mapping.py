@@ -26,114 +26,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import torch
 
+from benchmarks import _mapping as mapping
 from benchmarks._common import RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
-from benchmarks.map_bandwidth import (
-    batched,
-    label_page_size_axes,
-    page_size_figure,
-    parse_size,
-    per_page_columns,
-    repeated_runs,
-    run_columns,
-    run_fields,
-    size_label,
-    summarize_runs,
-    timed_batches,
-)
+from benchmarks._gpu import cannot_run, exit_unless_cuda, gpu_facts
 from vattn.errors import UnavailableError
+from vattn.sizes import MiB, parse_size, size_label
 
 if TYPE_CHECKING:
     from vattn.backends.cuda import CudaBackend
 
-MiB = 1 << 20
-MODES = ("fresh", "recycled")
 PATHS = ("native", "cuda-python")
 FREE_SHARE = 0.8
 """At most this share of the GPU's free memory is mapped in one run."""
-
-
-# ---------------------------------------------------------------- shared by the GPU benchmarks
-
-
-def cuda_unavailable_reason(need_bindings: bool = True) -> str | None:
-    """Why the GPU benchmarks cannot run here (no CUDA GPU for torch, no cuda-python), or None."""
-    if not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-        return f"no CUDA GPU: torch.cuda.is_available() is False (torch {torch.__version__}, {build})"
-    if need_bindings:
-        try:
-            from cuda.bindings import driver  # noqa: F401
-        except ImportError as exc:
-            return f"cuda-python is not installed (pip install 'vattn[gpu]'): {exc}"
-    return None
-
-
-def cannot_run(reason: str) -> NoReturn:
-    """Prints `<script>: cannot run here: <reason>` to stderr and exits with status 2."""
-    print(f"{Path(sys.argv[0]).stem}: cannot run here: {reason}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def exit_unless_cuda(need_bindings: bool = True) -> None:
-    """Prints a one-line reason to stderr and exits with status 2 when there is no GPU to run on."""
-    reason = cuda_unavailable_reason(need_bindings)
-    if reason is not None:
-        cannot_run(reason)
-
-
-def package_version(*distributions: str) -> str | None:
-    """The installed version of the first of `distributions` that is installed."""
-    for name in distributions:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def gpu_facts() -> dict[str, Any]:
-    """The GPU, its memory and the CUDA software stack (torch's build, the driver, cuda-python)."""
-    index = torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(index)
-    free, total = torch.cuda.mem_get_info(index)
-    facts: dict[str, Any] = {
-        "device_index": index,
-        "device_name": torch.cuda.get_device_name(index),
-        "compute_capability": f"{props.major}.{props.minor}",
-        "sm_count": props.multi_processor_count,
-        "total_memory_bytes": total,
-        "free_memory_bytes_at_start": free,
-        "l2_cache_bytes": getattr(props, "L2_cache_size", None),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cuda_bindings": package_version("cuda-bindings", "cuda-python"),
-        "cuda_python": package_version("cuda-python"),
-        "driver_cuda_version": None,
-    }
-    try:
-        from cuda.bindings import driver
-
-        err, version = driver.cuDriverGetVersion()
-        if err == driver.CUresult.CUDA_SUCCESS:
-            facts["driver_cuda_version"] = f"{version // 1000}.{version % 1000 // 10}"
-    except ImportError:
-        pass
-    return facts
-
-
-# ---------------------------------------------------------------- the benchmark
 
 
 def make_backend(page_size: int, pages: int, path: str) -> CudaBackend:
@@ -189,7 +103,7 @@ def one_run(page_size: int, pages: int, path: str, batch: int, verify: bool) -> 
         fresh_addrs = [base + i * page_size for i in range(pages)]
         recycled_addrs = [base + nbytes + i * page_size for i in range(pages)]
         for mode, addrs in (("fresh", fresh_addrs), ("recycled", recycled_addrs)):
-            pairs = list(zip(batched(addrs, batch), batched(pool, batch), strict=True))
+            pairs = list(zip(mapping.batched(addrs, batch), mapping.batched(pool, batch), strict=True))
             started = time.perf_counter()
             for addr_batch, page_batch in pairs:
                 backend.map(addr_batch, page_batch)
@@ -197,12 +111,12 @@ def one_run(page_size: int, pages: int, path: str, batch: int, verify: bool) -> 
             map_s = time.perf_counter() - started
             if view is not None and mode == "recycled":
                 verify_mapping(backend, view, nbytes, pages)
-            unmap_s = timed_batches(backend.unmap, batched(addrs, batch))
+            unmap_s = mapping.timed_batches(backend.unmap, mapping.batched(addrs, batch))
             mapped = []
             total_s = create_s + map_s if mode == "fresh" else map_s
             rows.append(
                 {
-                    **run_fields(page_size, backend.calls.name, mode, pages, batch),
+                    **mapping.run_fields(page_size, backend.calls.name, mode, pages, batch),
                     "create_s": create_s if mode == "fresh" else 0.0,
                     "map_s": map_s,
                     "total_s": total_s,
@@ -235,7 +149,7 @@ def one_run(page_size: int, pages: int, path: str, batch: int, verify: bool) -> 
 
 def summarize(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median of every timing over the repetitions of each (page size, path, mode)."""
-    return summarize_runs(
+    return mapping.summarize_runs(
         raw,
         ("create_s", "map_s", "total_s"),
         ("create_us_per_page", "map_us_per_page", "unmap_us_per_page", "release_us_per_page"),
@@ -244,7 +158,7 @@ def summarize(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
     """GB/s vs page size per call path x mode, and the per-page cost of each driver call."""
-    fig, ax, ax_lat = page_size_figure(5.5)
+    fig, ax, ax_lat = mapping.page_size_figure(5.5)
     colors = {"native": "tab:blue", "cuda-python": "tab:orange"}
     for path_name in PATHS:
         fresh = [r for r in summary if r["path"] == path_name and r["mode"] == "fresh"]
@@ -270,7 +184,7 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
             ax_lat.plot(xs, [r[key] for r in fresh], style, marker=".", color=color, label=f"{path_name}: {label}")
     ax.set_yscale("log")
     ax_lat.set_yscale("log")
-    label_page_size_axes(
+    mapping.label_page_size_axes(
         summary,
         (
             (ax, "GB/s", "physical allocation bandwidth (CUDA VMM)", {"fontsize": 8}),
@@ -312,14 +226,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     total = min(parse_size(args.total), int(free * FREE_SHARE))
     pages = {ps: total // ps for ps in page_sizes}
     if too_big := [size_label(ps) for ps, n in pages.items() if n == 0]:
-        raise SystemExit(f"pages {too_big} are larger than the {total >> 20} MiB a run may map")
+        raise SystemExit(f"pages {too_big} are larger than the {total // MiB} MiB a run may map")
     if total < parse_size(args.total):
-        print(f"note: --total cut to {total >> 20} MiB ({FREE_SHARE:.0%} of the {free >> 20} MiB free)")
+        print(f"note: --total cut to {total // MiB} MiB ({FREE_SHARE:.0%} of the {free // MiB} MiB free)")
 
     meta = {"command": command_line(), **machine_facts(), "gpu": gpu_facts()}
     for path in paths:  # warm-up, not recorded: driver and library first-call costs
         one_run(page_sizes[0], min(pages[page_sizes[0]], 2 * args.batch), path, args.batch, verify=False)
-    raw = repeated_runs(
+    raw = mapping.repeated_runs(
         args.reps,
         page_sizes,
         paths,
@@ -354,12 +268,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     plot(summary, png_path, title)
 
     columns = (
-        *run_columns(12),
+        *mapping.run_columns(12),
         ("GB/s", "gbps", 8, ".1f"),
         ("map GB/s", "map_only_gbps", 9, ".1f"),
-        *per_page_columns(".1f", {call: call for call in ("create", "map", "unmap", "release")}),
+        *mapping.per_page_columns(".1f", {call: call for call in ("create", "map", "unmap", "release")}),
     )
-    print_table(summary, columns, f"{gpu['device_name']}: {total >> 20} MiB per run, median of {args.reps}")
+    print_table(summary, columns, f"{gpu['device_name']}: {total // MiB} MiB per run, median of {args.reps}")
     print(f"wrote {csv_path}, {json_path}, {png_path}")
 
 

@@ -20,17 +20,17 @@ import mmap
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import torch
 from tqdm import tqdm
 
+from benchmarks import _mapping as mapping
 from benchmarks._common import (
     RESULTS_DIR,
     CpuShare,
@@ -42,145 +42,8 @@ from benchmarks._common import (
     write_results,
 )
 from vattn.backends.host import MAP_COUNT_HEADROOM, HostBackend, current_map_count, max_map_count
-from vattn.backends.page_calls import native_available
-
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-MODES = ("fresh", "recycled")
-
-
-# ---------------------------------------------------------------- shared with gpu_mapping
-
-
-def parse_size(text: str) -> int:
-    """'4K', '64k', '2M', '4096' -> bytes."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    units = {"K": KiB, "M": MiB, "G": GiB}
-    if text and text[-1] in units:
-        return int(text[:-1]) * units[text[-1]]
-    return int(text)
-
-
-def size_label(nbytes: int) -> str:
-    for unit, scale in (("M", MiB), ("K", KiB)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)
-
-
-def batched(items: Sequence[int], size: int) -> list[Sequence[int]]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-def timed_batches(call: Callable[[Sequence[int]], Any], batches: list[Sequence[int]]) -> float:
-    """Seconds to run `call` over every batch."""
-    started = time.perf_counter()
-    for batch in batches:
-        call(batch)
-    return time.perf_counter() - started
-
-
-def run_fields(page_size: int, path: str, mode: str, pages: int, batch: int) -> dict[str, Any]:
-    """The leading columns of one mapping run's row: what was mapped, how, in what batches."""
-    return {
-        "page_size": page_size,
-        "page_label": size_label(page_size),
-        "path": path,
-        "mode": mode,
-        "pages": pages,
-        "bytes": pages * page_size,
-        "batch": batch,
-    }
-
-
-def repeated_runs(
-    reps: int,
-    page_sizes: Sequence[int],
-    paths: Sequence[str],
-    run: Callable[[int, str], list[dict[str, Any]]],
-    desc: str,
-) -> list[dict[str, Any]]:
-    """`run(page_size, path)` for every repetition x page size x call path (a progress bar over
-    them); its rows, each tagged with its repetition as "rep"."""
-    raw: list[dict[str, Any]] = []
-    jobs = [(rep, ps, path) for rep in range(reps) for ps in page_sizes for path in paths]
-    for rep, ps, path in tqdm(jobs, desc=desc, unit="run"):
-        raw += [{"rep": rep, **row} for row in run(ps, path)]
-    return raw
-
-
-def summarize_runs(raw: list[dict[str, Any]], timings: Sequence[str], per_page: Sequence[str]) -> list[dict[str, Any]]:
-    """Median of every timing over the repetitions of each (page size, path, mode).
-
-    `timings` are seconds per run, among them "map_s" and "total_s": each gets a
-    `median_<key>` column; GB/s come from the median total (`gbps`, with the runs' min and
-    max), the median map (`map_only_gbps`) and each other timing (`<name>_gbps`, None
-    where its median is 0). `per_page` columns are medians over the runs that have them.
-    """
-    groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
-    for row in raw:
-        groups.setdefault((row["page_size"], row["path"], row["mode"]), []).append(row)
-    summary = []
-    for (page_size, path, mode), rows in sorted(groups.items()):
-        nbytes = rows[0]["bytes"]
-        med = {key: statistics.median(r[key] for r in rows) for key in timings}
-        out: dict[str, Any] = {
-            "page_size": page_size,
-            "page_label": size_label(page_size),
-            "path": path,
-            "mode": mode,
-            "pages": rows[0]["pages"],
-            "bytes": nbytes,
-            "reps": len(rows),
-            **{f"median_{key}": value for key, value in med.items()},
-            "gbps": nbytes / med["total_s"] / 1e9,
-            "gbps_min": min(r["gbps"] for r in rows),
-            "gbps_max": max(r["gbps"] for r in rows),
-            "map_only_gbps": nbytes / med["map_s"] / 1e9,
-        }
-        for key in timings:
-            if key not in ("map_s", "total_s"):
-                out[f"{key.removesuffix('_s')}_gbps"] = nbytes / med[key] / 1e9 if med[key] else None
-        for key in per_page:
-            values = [r[key] for r in rows if r.get(key) is not None]
-            out[key] = statistics.median(values) if values else None
-        summary.append(out)
-    return summary
-
-
-def run_columns(path_width: int) -> list[tuple[str, str, int, str]]:
-    """`print_table` columns naming a summary row: page size, call path, mode."""
-    return [("page", "page_label", 5, ""), ("path", "path", path_width, ""), ("mode", "mode", 9, "")]
-
-
-def per_page_columns(spec: str, calls: Mapping[str, str]) -> list[tuple[str, str, int, str]]:
-    """`print_table` columns "<short> us/pg" of the summary's `<call>_us_per_page`, for each
-    short name -> call, one character wider than their header."""
-    return [(f"{short} us/pg", f"{call}_us_per_page", len(short) + 7, spec) for short, call in calls.items()]
-
-
-def page_size_figure(height: float) -> tuple[Any, Any, Any]:
-    """A figure with a wide bandwidth panel and a narrower per-page-cost panel: (fig, ax, ax_lat)."""
-    fig, (ax, ax_lat) = plt.subplots(1, 2, figsize=(13, height), gridspec_kw={"width_ratios": [3, 2]})
-    return fig, ax, ax_lat
-
-
-def label_page_size_axes(
-    summary: Sequence[Mapping[str, Any]], panels: Sequence[tuple[Any, str, str, Mapping[str, Any]]]
-) -> None:
-    """Each panel `(axis, y label, title, legend options)`: a log-2 page-size x axis ticked at
-    the summary's page sizes, a grid, its labels and its legend."""
-    page_sizes = sorted({row["page_size"] for row in summary})
-    for axis, ylabel, title, legend in panels:
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(page_sizes, [size_label(p) for p in page_sizes])
-        axis.set_xlabel("page size")
-        axis.grid(True, which="both", alpha=0.3)
-        axis.set_ylabel(ylabel)
-        axis.set_title(title)
-        axis.legend(**legend)
-
-
-# ---------------------------------------------------------------- the benchmark
+from vattn.backends.native import native_available
+from vattn.sizes import MiB, parse_size, size_label
 
 
 def pages_for_run(page_size: int, total: int) -> int:
@@ -203,8 +66,8 @@ def one_run(page_size: int, pages: int, native: bool, batch: int) -> list[dict[s
         recycled_addrs = [base + nbytes + (pages - 1 - i) * page_size for i in range(pages)]
         unmap_s = 0.0
         for mode, addrs in (("fresh", fresh_addrs), ("recycled", recycled_addrs)):
-            addr_batches = batched(addrs, batch)
-            pairs = list(zip(addr_batches, batched(pool, batch), strict=True))
+            addr_batches = mapping.batched(addrs, batch)
+            pairs = list(zip(addr_batches, mapping.batched(pool, batch), strict=True))
             started = time.perf_counter()
             for addr_batch, page_batch in pairs:
                 backend.map(addr_batch, page_batch)
@@ -215,14 +78,14 @@ def one_run(page_size: int, pages: int, native: bool, batch: int) -> list[dict[s
                 nonlocal done
                 done += backend.populate(addr_batch)
 
-            populate_s = timed_batches(populate, addr_batches)
+            populate_s = mapping.timed_batches(populate, addr_batches)
             if done != pages:
                 raise RuntimeError(f"populate did {done} of {pages} pages")
             if mode == "fresh":
-                unmap_s = timed_batches(backend.unmap, addr_batches)
+                unmap_s = mapping.timed_batches(backend.unmap, addr_batches)
             rows.append(
                 {
-                    **run_fields(page_size, backend.calls.name, mode, pages, batch),
+                    **mapping.run_fields(page_size, backend.calls.name, mode, pages, batch),
                     "map_s": map_s,
                     "populate_s": populate_s,
                     "total_s": map_s + populate_s,
@@ -287,7 +150,7 @@ def _first_touch(region: mmap.mmap, value: int) -> float:
 
 def summarize(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median of every timing over the repetitions of each (page size, path, mode)."""
-    return summarize_runs(
+    return mapping.summarize_runs(
         raw, ("map_s", "populate_s", "total_s"), ("map_us_per_page", "populate_us_per_page", "unmap_us_per_page")
     )
 
@@ -299,11 +162,11 @@ def plot(
 
     Populate runs in one thread, so the 1-thread first-touch line is its natural ceiling.
     """
-    fig, ax, ax_lat = page_size_figure(6.4)
+    fig, ax, ax_lat = mapping.page_size_figure(6.4)
     styles = {"fresh": "-", "recycled": "--"}
     colors = {"native": "tab:blue", "ctypes": "tab:orange"}
     for path_name in ("native", "ctypes"):
-        for mode in MODES:
+        for mode in mapping.MODES:
             rows = [r for r in summary if r["path"] == path_name and r["mode"] == mode]
             if not rows:
                 continue
@@ -332,7 +195,7 @@ def plot(
     ax.set_yscale("log")
     ax_lat.set_ylim(bottom=0)
     below = {"fontsize": 7, "loc": "upper center", "bbox_to_anchor": (0.5, -0.13), "ncol": 2}
-    label_page_size_axes(
+    mapping.label_page_size_axes(
         summary,
         (
             (ax, "GB/s (bytes / (map + populate))", "physical allocation bandwidth", below),
@@ -376,12 +239,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     pages = {ps: pages_for_run(ps, totals[ps]) for ps in page_sizes}
     for ps in page_sizes:
         if pages[ps] * ps < totals[ps]:
-            print(f"note: {size_label(ps)} pages cut to {pages[ps]} ({pages[ps] * ps >> 20} MiB) by vm.max_map_count")
+            print(f"note: {size_label(ps)} pages cut to {pages[ps]} ({pages[ps] * ps // MiB} MiB) by vm.max_map_count")
 
     meta = {"command": command_line(), **machine_facts()}
-    meta["prewarm"] = prewarm_memory(args.prewarm_mib << 20)
+    meta["prewarm"] = prewarm_memory(args.prewarm_mib * MiB)
     cpu_map = CpuShare()
-    raw = repeated_runs(
+    raw = mapping.repeated_runs(
         args.reps,
         page_sizes,
         paths,
@@ -428,19 +291,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     plot(summary, fills, args.fill_threads, png_path, title)
 
     columns = (
-        *run_columns(7),
+        *mapping.run_columns(7),
         ("MiB", "mib", 5, ""),
         ("GB/s", "gbps", 7, ".2f"),
         ("map GB/s", "map_only_gbps", 9, ".1f"),
         ("pop GB/s", "populate_gbps", 9, ".2f"),
-        *per_page_columns(".2f", {"map": "map", "pop": "populate", "unmap": "unmap"}),
+        *mapping.per_page_columns(".2f", {"map": "map", "pop": "populate", "unmap": "unmap"}),
     )
-    print_table([{**r, "mib": r["bytes"] >> 20} for r in summary], columns)
+    print_table([{**r, "mib": r["bytes"] // MiB} for r in summary], columns)
     for nbytes, values in fills.items():
-        print(f"fill {int(nbytes) >> 20} MiB: " + ", ".join(f"{k}={v:.2f} GB/s" for k, v in values.items()))
+        print(f"fill {int(nbytes) // MiB} MiB: " + ", ".join(f"{k}={v:.2f} GB/s" for k, v in values.items()))
     if meta["prewarm"]["bytes"]:
         print(
-            f"prewarm: {meta['prewarm']['bytes'] >> 20} MiB first touch at {meta['prewarm']['median_chunk_gbps']:.2f} "
+            f"prewarm: {meta['prewarm']['bytes'] // MiB} MiB first touch at {meta['prewarm']['median_chunk_gbps']:.2f} "
             f"GB/s median, {meta['prewarm']['min_chunk_gbps']:.2f} slowest chunk"
         )
     print(

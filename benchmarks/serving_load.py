@@ -145,7 +145,7 @@ def local_server(args: argparse.Namespace) -> Iterator[str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), *args.serve_args.split()]
+    command = [sys.executable, "-m", "serving.server.cli", "serve", "--port", str(port), *args.serve_args.split()]
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
     try:

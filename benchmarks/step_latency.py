@@ -59,11 +59,11 @@ from benchmarks._common import (
     save_figure,
     write_results,
 )
-from benchmarks.gpu_mapping import exit_unless_cuda, gpu_facts
-from benchmarks.map_bandwidth import parse_size, size_label
+from benchmarks._gpu import exit_unless_cuda, gpu_facts
 from vattn import KVCache, KVCacheConfig
 from vattn.backends.host import MAP_COUNT_HEADROOM, current_map_count, max_map_count
-from vattn.stats import MappingCounters
+from vattn.sizes import GiB, KiB, MiB, parse_size, size_label
+from vattn.stats import CallTotals, MappingCounters
 
 MODES = {"sync": False, "background": True}
 P99_TARGET = 0.05
@@ -72,9 +72,9 @@ SYNC_MAPS_TARGET = 1.0
 """At most this many synchronous page-step maps per 100 page boundaries (background mode)."""
 BACKEND_DEFAULTS: dict[str, dict[str, Any]] = {
     # SmolLM2-135M's KV shape on 64 KiB host pages (~170 tokens per page).
-    "host": {"layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "float16", "page_size": 64 * 1024},
+    "host": {"layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "float16", "page_size": 64 * KiB},
     # Llama-3-8B's KV shape on the 2 MiB CUDA granularity (1,024 tokens per page).
-    "cuda": {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "page_size": 2 << 20},
+    "cuda": {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "page_size": 2 * MiB},
 }
 RESULT_NAMES = {"host": "step_latency", "cuda": "gpu_step_latency"}
 CACHE_ARGS = {
@@ -87,7 +87,7 @@ CACHE_ARGS = {
     "backend": "backend",
 }
 """KVCacheConfig field -> the option (attribute of the parsed arguments) that sets it."""
-GPU_MEMORY_HEADROOM = 2 << 30
+GPU_MEMORY_HEADROOM = 2 * GiB
 """GPU memory left free beside the KV pool (the compute's matrices, the allocator, the driver)."""
 
 
@@ -227,7 +227,7 @@ def make_config(args: argparse.Namespace, background: bool) -> KVCacheConfig:
     else:
         free, _ = torch.cuda.mem_get_info()
         allowed = (free - GPU_MEMORY_HEADROOM) // args.page_size
-        limit = f"the GPU has room for ({free >> 20} MiB free, {GPU_MEMORY_HEADROOM >> 30} GiB kept aside)"
+        limit = f"the GPU has room for ({free // MiB} MiB free, {GPU_MEMORY_HEADROOM // GiB} GiB kept aside)"
     if budget_pages > allowed:
         if needed > allowed:
             raise SystemExit(
@@ -244,8 +244,23 @@ def make_config(args: argparse.Namespace, background: bool) -> KVCacheConfig:
     )
 
 
+def flat_counters(counters: MappingCounters) -> dict[str, float]:
+    """The counters as one flat dict: each call kind's totals as `<kind>_<total>` (`map_pages`,
+    `populate_seconds`, ...), then the page needs as they are."""
+    flat: dict[str, float] = {}
+    for f in dataclasses.fields(counters):
+        value = getattr(counters, f.name)
+        if isinstance(value, CallTotals):
+            flat.update({f"{f.name}_{total}": amount for total, amount in dataclasses.asdict(value).items()})
+        else:
+            flat[f.name] = value
+    return flat
+
+
 def counters_delta(after: MappingCounters, before: MappingCounters) -> dict[str, float]:
-    return {f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(MappingCounters)}
+    """What the flat counters (`flat_counters`) grew by from `before` to `after`."""
+    start = flat_counters(before)
+    return {key: value - start[key] for key, value in flat_counters(after).items()}
 
 
 def run_mode(
@@ -261,10 +276,10 @@ def run_mode(
     if args.prewarm_mib >= 0:
         prewarm_mib = args.prewarm_mib
     elif args.backend == "host":
-        prewarm_mib = math.ceil(1.25 * (config.memory_budget or 0) / 2**20)
+        prewarm_mib = math.ceil(1.25 * (config.memory_budget or 0) / MiB)
     else:
         prewarm_mib = 0  # GPU pages never pass through the guest's RAM
-    prewarm = prewarm_memory(prewarm_mib << 20)
+    prewarm = prewarm_memory(prewarm_mib * MiB)
     lengths = initial_lengths(args.slots, args.init_base, args.init_stride)
     gc_timer = GCTimer()
     rows: list[dict[str, Any]] = []
@@ -359,7 +374,7 @@ def run_mode(
         "gc_seconds": gc_timer.seconds,
         "gc_us_in_step_total": sum(r["gc_in_step_us"] for r in rows),
         "config": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in dataclasses.asdict(config).items()},
-        "tokens_per_page": config.page_size // config.token_bytes,
+        "tokens_per_page": config.page_size // config.bytes_per_token,
         "pool_pages": config.pool_pages,
         "pages_created": stats.pages_created,
     }
@@ -548,7 +563,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(
             f"{mode}: map {s['map_us_per_page'] or 0:.1f} us/page, populate {s['populate_us_per_page'] or 0:.1f} "
             f"us/page; CPU share taken by other processes {s['cpu']['other_share']:.0%}, "
-            f"load {s['cpu']['loadavg_1min']:.2f}; prewarm {s['prewarm']['bytes'] >> 20} MiB, first touch "
+            f"load {s['cpu']['loadavg_1min']:.2f}; prewarm {s['prewarm']['bytes'] // MiB} MiB, first touch "
             f"{s['prewarm'].get('median_chunk_gbps', 0):.2f} GB/s median, "
             f"{s['prewarm'].get('min_chunk_gbps', 0):.2f} min"
         )
