@@ -64,6 +64,7 @@ from tqdm import tqdm
 from benchmarks._common import RESULTS_DIR, command_line, machine_facts, save_figure, write_results
 from benchmarks._gpu import cannot_run, exit_unless_cuda, gpu_facts, package_version
 from vattn.errors import UnavailableError
+from vattn.kernels import FLASHINFER_WORKSPACE_BYTES
 from vattn.sizes import MiB, parse_size, size_label
 
 VARIANTS = {
@@ -73,7 +74,6 @@ VARIANTS = {
     "paged_flashinfer": "paged flashinfer, block 16",
 }
 """Variant name (command line, CSV) -> label (plot, table)."""
-FLASHINFER_WORKSPACE_BYTES = 128 * MiB
 REL_TOLERANCE = 0.05
 """Largest |out - reference| / max |reference| a variant may show (bf16 gives ~0.005)."""
 MISSING = (UnavailableError, ImportError)

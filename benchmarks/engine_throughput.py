@@ -24,8 +24,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from benchmarks._common import RESULTS_DIR, command_line, machine_facts, percentiles, save_figure
-from benchmarks._common import write_results as common_write_results
+from benchmarks._common import RESULTS_DIR, command_line, machine_facts, percentiles, save_figure, write_results
 from serving import LLM, SamplingParams
 from serving.model_store import ensure_default_model
 from vattn.sizes import MiB
@@ -189,7 +188,7 @@ def save(rows: list[dict[str, Any]], prompts: list[list[int]], args: argparse.Na
         "rows": rows,
         "ratios": ratios,
     }
-    _, _, png = common_write_results(args.out, args.name, rows, payload)
+    _, _, png = write_results(args.out, args.name, rows, payload)
     plot(rows, png, f"{args.requests} requests, {args.output_tokens} tokens, {args.dtype}")
     print("ratios:", ratios, flush=True)
 

@@ -50,7 +50,7 @@ FREE_SHARE = 0.8
 """At most this share of the GPU's free memory is mapped in one run."""
 
 
-def make_backend(page_size: int, pages: int, path: str) -> CudaBackend:
+def cuda_backend(page_size: int, pages: int, path: str) -> CudaBackend:
     from vattn.backends.cuda import CudaBackend
 
     backend = CudaBackend(page_size, pages, native=(path == "native"))
@@ -67,7 +67,7 @@ def probe_paths(paths: Sequence[str]) -> tuple[dict[str, str], int]:
     granularity = 2 * MiB
     for path in paths:
         try:
-            probe = make_backend(2 * MiB, 1, path)  # creates no page
+            probe = cuda_backend(2 * MiB, 1, path)  # creates no page
         except (UnavailableError, RuntimeError) as exc:
             skipped[path] = str(exc)
             continue
@@ -89,7 +89,7 @@ def verify_mapping(backend: CudaBackend, view: torch.Tensor, offset: int, pages:
 
 def one_run(page_size: int, pages: int, path: str, batch: int, verify: bool) -> list[dict[str, Any]]:
     """Fresh then recycled mapping of `pages` pages on a new backend; one row per mode."""
-    backend = make_backend(page_size, pages, path)
+    backend = cuda_backend(page_size, pages, path)
     nbytes = pages * page_size
     base = backend.reserve(2 * nbytes)  # room to map the recycled pages at other addresses
     view = backend.tensor(base, 2 * nbytes) if verify else None  # made while nothing is mapped there

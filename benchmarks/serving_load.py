@@ -32,8 +32,16 @@ import matplotlib
 import openai
 from tqdm import tqdm
 
-from benchmarks._common import RESULTS_DIR, CpuShare, command_line, machine_facts, percentiles, print_table, save_figure
-from benchmarks._common import write_results as common_write_results
+from benchmarks._common import (
+    RESULTS_DIR,
+    CpuShare,
+    command_line,
+    machine_facts,
+    percentiles,
+    print_table,
+    save_figure,
+    write_results,
+)
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -202,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for rate in (float(r) for r in args.rates.split(",")):
             rows.append(asyncio.run(run_rate(url, args.model, prompts, rate, args)))
             payload = {"command": command_line(), "machine": machine_facts(), "settings": vars(args), "rows": rows}
-            _, _, png = common_write_results(args.out, args.name, rows, payload)
+            _, _, png = write_results(args.out, args.name, rows, payload)
             plot(rows, png, f"{args.requests} requests/rate, {args.output_tokens} output tokens, streaming")
     print_table(
         rows,

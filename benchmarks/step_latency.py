@@ -62,6 +62,7 @@ from benchmarks._common import (
 from benchmarks._gpu import exit_unless_cuda, gpu_facts
 from vattn import KVCache, KVCacheConfig
 from vattn.backends.host import MAP_COUNT_HEADROOM, current_map_count, max_map_count
+from vattn.config import DTYPES
 from vattn.sizes import GiB, KiB, MiB, parse_size, size_label
 from vattn.stats import CallTotals, MappingCounters
 
@@ -434,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=None, help=default("layers"))
     parser.add_argument("--kv-heads", type=int, default=None, help=default("kv_heads"))
     parser.add_argument("--head-dim", type=int, default=None, help=default("head_dim"))
-    parser.add_argument("--dtype", default=None, choices=("float16", "bfloat16", "float32"), help=default("dtype"))
+    parser.add_argument("--dtype", default=None, choices=list(DTYPES), help=default("dtype"))
     parser.add_argument(
         "--page-size", type=parse_size, default=None, help="e.g. 64K, 256K, 2M; " + default("page_size", size_label)
     )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vattn.config import DTYPES
+from vattn.config import DTYPES, require_positive_int
 from vattn.sizes import KiB, MiB
 
 
@@ -30,8 +30,7 @@ class EngineConfig:
     """Random stream of requests that give no seed of their own."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_batched_tokens, int) or self.max_batched_tokens < 1:
-            raise ValueError(f"max_batched_tokens must be a positive integer, got {self.max_batched_tokens!r}")
+        require_positive_int("max_batched_tokens", self.max_batched_tokens)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 

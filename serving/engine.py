@@ -20,7 +20,7 @@ from serving.kv_store import KVStore, VirtualKVStore
 from serving.model_runner import ModelRunner, load_model, model_shape
 from serving.model_store import ensure_default_model
 from serving.outputs import RequestOutput, StreamDelta
-from serving.request import Request, TokenLogprob, generation_room
+from serving.request import Request, TokenLogprob, generation_room, prompt_token_ids
 from serving.sampler import sample
 from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler
@@ -47,7 +47,7 @@ class LLMEngine:
         self._vocab_size = shape.vocab_size
         self.kv: KVStore = VirtualKVStore(config, shape, self.max_context)
         """Slots and pages; callers read it through `stats()`, tests inspect the allocator behind it."""
-        self._runner = ModelRunner(model, self.kv.attend)
+        self._runner = ModelRunner(model, shape, self.kv.attend)
         self._scheduler = Scheduler(self.kv, config.max_batched_tokens)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -68,7 +68,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self._prompt_ids(prompt)
+        text, ids = prompt_token_ids(self.tokenizer, prompt)
+        if any(not 0 <= t < self._vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self._vocab_size})")
         generation_room(len(ids), self.max_context)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -198,20 +200,6 @@ class LLMEngine:
         request.emitted_chars, request.emitted_tokens = len(text), len(request.output_ids)
         request.finish_reported = request.finished
         return StreamDelta(request.request_id, new_text, new_ids, logprobs, request.finish_reason)
-
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        ids = list(prompt) if isinstance(prompt, list | tuple) else None
-        if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self._vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {self._vocab_size})")
-        return None, ids
 
     def close(self) -> None:
         self.kv.close()

@@ -1,9 +1,9 @@
 """The engine's one boundary with KV memory: a small protocol, and vattn's cache behind it.
 
 The engine admits a request into a slot, grows slots before each iteration, frees them,
-plans and runs attention over them, and reads stats; nothing else. A second store (a
-paged baseline) satisfies the same protocol, so the scheduler, sampler and HTTP layers
-never know which one they drive.
+plans and runs attention over them, and reads stats; nothing else. Any store that
+satisfies the protocol (a paged baseline is next) can stand in, and the scheduler,
+sampler and HTTP layers never know which one they drive.
 """
 
 from __future__ import annotations
@@ -44,9 +44,7 @@ class KVStore(Protocol):
 
 class VirtualKVStore:
     """vattn's KVCache: each slot's KV virtually contiguous, attention by an unmodified kernel.
-
-    A slot is the cache's reqid.
-    """
+    A slot here is the cache's reqid."""
 
     def __init__(self, config: EngineConfig, shape: ModelShape, max_context: int) -> None:
         cache_config = KVCacheConfig(
@@ -60,7 +58,7 @@ class VirtualKVStore:
             backend=config.backend,
             memory_budget=config.kv_budget,
         )
-        full_request = cache_config.pages_for(max_context) * cache_config.num_buffers * config.page_size
+        full_request = cache_config.pages_for(max_context) * cache_config.page_step_bytes
         if config.kv_budget < full_request:
             raise ValueError(
                 f"kv_budget {config.kv_budget} B cannot hold one request at the max context "

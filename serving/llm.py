@@ -12,6 +12,7 @@ from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.outputs import RequestOutput, StreamDelta
 from serving.sampling_params import SamplingParams
+from vattn.config import is_int
 
 Prompt = str | list[int]
 
@@ -70,4 +71,4 @@ class LLM:
 
 
 def _is_token_ids(prompt: object) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
+    return isinstance(prompt, list) and bool(prompt) and all(is_int(t) for t in prompt)

@@ -35,12 +35,12 @@ class ModelShape:
     max_position: int
 
 
-def load_model(path: str | Path, dtype: torch.dtype, gguf_file: str | None = None) -> tuple[Any, Any]:
-    """A causal LM and its tokenizer from a safetensors folder, or a GGUF file in it."""
+def load_model(path: str | Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    """A causal LM and its tokenizer from a safetensors folder or a GGUF file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = Path(path)
-    if gguf_file is None and folder.suffix == ".gguf":
+    folder, gguf_file = Path(path), None
+    if folder.suffix == ".gguf":
         folder, gguf_file = folder.parent, folder.name
     if not folder.is_dir():
         raise ValueError(f"model folder {str(folder)!r} does not exist")
@@ -69,8 +69,8 @@ def model_shape(model: Any) -> ModelShape:
 class ModelRunner:
     """Runs one iteration's tokens (prefill chunks and decodes together) through the model."""
 
-    def __init__(self, model: Any, attend: Attend) -> None:
-        self.shape = model_shape(model)
+    def __init__(self, model: Any, shape: ModelShape, attend: Attend) -> None:
+        self.shape = shape
         self._model = model
         self._body = model.model
         self._attend = attend

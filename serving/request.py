@@ -5,17 +5,33 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
 from serving.detokenizer import IncrementalDetokenizer
 from serving.sampling_params import SamplingParams
+from vattn.config import is_int
 
 
 class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+def prompt_token_ids(tokenizer: Any, prompt: object) -> tuple[str | None, list[int]]:
+    """A prompt's text (None when given as ids) and its token ids; ValueError if empty or mistyped."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+    ids = list(prompt) if isinstance(prompt, list | tuple) else None
+    if ids is None or not all(is_int(t) for t in ids):
+        raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return None, ids
 
 
 def generation_room(prompt_tokens: int, max_context: int) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from vattn.config import is_int
 
 GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20
 
 
 def _is_number(value: object) -> bool:
@@ -51,8 +52,8 @@ class SamplingParams:
         if not isinstance(ids, tuple | list) or not all(is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -56,7 +56,7 @@ class Scheduler:
             except OutOfPagesError:
                 if len(self.running) <= 1:
                     raise  # one request alone outgrows the pool: the engine sized it wrong
-                self.preempt(max(self.running, key=lambda r: r.arrival))
+                self._preempt(max(self.running, key=lambda r: r.arrival))
                 admit = False  # or the request just preempted could be admitted again
                 continue
             return ScheduledBatch([r for r, _ in plan], [n for _, n in plan])
@@ -82,7 +82,7 @@ class Scheduler:
             budget -= n
         return plan
 
-    def preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request) -> None:
         """Frees a running request's slot; it waits at the front and is recomputed from scratch."""
         self._release(request)
         request.status, request.num_computed = RequestStatus.WAITING, 0

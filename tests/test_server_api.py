@@ -141,10 +141,13 @@ def test_metrics_show_requests_tokens_and_the_allocator(server: LiveServer, clie
         "vattn:kv_waste_bytes",
         'vattn:kv_page_needs_total{met_by="background"}',
         'vattn:kv_page_needs_total{met_by="step"}',
+        'vattn:kv_pages_taken_total{kind="fresh"}',
+        "vattn:engine_iterations_total",
     ):
         assert name in text, name
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
     assert values["vattn:generation_tokens_total"] >= 4 and values["vattn:kv_mapped_bytes"] > 0
+    assert values["vattn:engine_iterations_total"] >= 4 and values['vattn:kv_pages_taken_total{kind="fresh"}'] > 0
 
 
 def test_api_key_is_required_when_set() -> None:

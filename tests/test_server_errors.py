@@ -97,7 +97,7 @@ def test_wrong_methods_and_paths(server: LiveServer) -> None:
 
 def test_bad_requests_leave_nothing_behind(server: LiveServer) -> None:
     free_slots, free_pages, pool_pages = server.pages_back_in_pool()
-    assert free_slots == server.settings.engine.max_slots and free_pages == pool_pages
+    assert free_slots == server.settings.engine_config.max_slots and free_pages == pool_pages
     assert server.engine.num_pending == 0
 
 
@@ -135,4 +135,4 @@ def test_fuzzed_requests_never_get_a_server_error(server: LiveServer) -> None:
 
         no_server_error()
     free_slots, free_pages, pool_pages = server.pages_back_in_pool()
-    assert free_slots == server.settings.engine.max_slots and free_pages == pool_pages
+    assert free_slots == server.settings.engine_config.max_slots and free_pages == pool_pages

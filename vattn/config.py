@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from vattn.sizes import MiB
 
 Layout = Literal["per_layer", "mega"]
-LAYOUTS: tuple[str, ...] = ("per_layer", "mega")
+LAYOUTS: tuple[str, ...] = get_args(Layout)
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -103,6 +103,16 @@ class KVCacheConfig:
         return self.slot_pages * self.page_size
 
     @property
+    def reservation_bytes(self) -> int:
+        """Address space reserved for each virtual tensor: every slot at full context."""
+        return self.max_slots * self.slot_stride
+
+    @property
+    def page_step_bytes(self) -> int:
+        """Physical bytes of one page step: one page in every virtual tensor."""
+        return self.num_buffers * self.page_size
+
+    @property
     def pool_pages(self) -> int:
         """Physical pages the pool may create: the budget, capped at what all slots can use."""
         capacity = self.max_slots * self.slot_pages * self.num_buffers
@@ -123,6 +133,16 @@ class KVCacheConfig:
         row = self.num_kv_heads * self.head_dim
         per_token = (row,) if self.layout == "per_layer" else (self.num_layers * row, row)
         return (self.slot_stride // self.element_size, *per_token, self.head_dim, 1)
+
+    def virtual_tensor(self, reservation: torch.Tensor) -> torch.Tensor:
+        """A reservation's flat bytes viewed as `tensor_shape` (no copy)."""
+        return reservation.view(self.dtype).as_strided(self.tensor_shape, self.tensor_strides)
+
+    def layer_views(self, buffers: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's K and V `[slots, context, kv_heads, head_dim]` among the virtual tensors."""
+        if self.layout == "per_layer":
+            return buffers[2 * layer], buffers[2 * layer + 1]
+        return buffers[0][:, :, layer], buffers[1][:, :, layer]
 
     def page_offset(self, slot: int, page: int) -> int:
         """Byte offset of page `page` of slot `slot` inside any one virtual tensor."""

@@ -26,8 +26,9 @@ from torch import Tensor
 from vattn.config import is_int
 from vattn.errors import UnavailableError
 from vattn.kv_cache import KVCache
+from vattn.sizes import MiB
 
-FLASHINFER_WORKSPACE_BYTES = 128 << 20
+FLASHINFER_WORKSPACE_BYTES = 128 * MiB
 
 
 @dataclass(frozen=True)

@@ -33,16 +33,17 @@ class KVCache:
         self.config = config
         self.backend: VMMBackend = make_backend(config)
         self._pool = PagePool(self.backend, config.pool_pages)
-        self._reservation = config.max_slots * config.slot_stride
         self._bases: list[int] = []
         try:
             for _ in range(config.num_buffers):
-                self._bases.append(self.backend.reserve(self._reservation))
+                self._bases.append(self.backend.reserve(config.reservation_bytes))
         except BaseException:
             self._free_address_space()
             raise
-        self._buffers = [self._virtual_tensor(base) for base in self._bases]
-        self.device = self._buffers[0].device
+        buffers = [config.virtual_tensor(self.backend.tensor(base, config.reservation_bytes)) for base in self._bases]
+        self._layers = [config.layer_views(buffers, layer) for layer in range(config.num_layers)]
+        """Each layer's K and V `[slots, context, kv_heads, head_dim]` views, built once."""
+        self.device = buffers[0].device
         self._slots = [Slot(i) for i in range(config.max_slots)]
         self._lock = threading.Lock()
         self._counters = MappingCounters()
@@ -212,7 +213,7 @@ class KVCache:
             self._closed = True
         if self._mapper:
             self._mapper.close()
-        self._buffers.clear()
+        self._layers.clear()
         mapped = [(slot, len(slot.pages)) for slot in self._slots if slot.pages]
         if mapped:
             self._unmap_tail(mapped)
@@ -228,17 +229,10 @@ class KVCache:
 
     # ---------------------------------------------------------------- internals
 
-    def _virtual_tensor(self, base: int) -> torch.Tensor:
-        cfg = self.config
-        flat = self.backend.tensor(base, self._reservation).view(cfg.dtype)
-        return flat.as_strided(cfg.tensor_shape, cfg.tensor_strides)
-
     def _layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not is_int(layer) or not 0 <= layer < self.config.num_layers:
             raise ValueError(f"layer must be an integer in [0, {self.config.num_layers}), got {layer!r}")
-        if self.config.layout == "per_layer":
-            return self._buffers[2 * layer], self._buffers[2 * layer + 1]
-        return self._buffers[0][:, :, layer], self._buffers[1][:, :, layer]
+        return self._layers[layer]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -397,5 +391,5 @@ class KVCache:
 
     def _free_address_space(self) -> None:
         for base in self._bases:
-            self.backend.free_reservation(base, self._reservation)
+            self.backend.free_reservation(base, self.config.reservation_bytes)
         self._bases.clear()

@@ -16,7 +16,7 @@ class Origin(Enum):
 
 @dataclass
 class Slot:
-    """Row `index` of every virtual tensor; its index is the reqid of the request it holds.
+    """Row `index` of every virtual tensor (the reqid of the request it holds).
 
     `pages[k][b]` is the physical page behind page k of virtual tensor b; pages always
     form a prefix of the slot, so its first `len(pages)` page steps are mapped.

@@ -83,9 +83,8 @@ class CacheStats:
         cls, config: KVCacheConfig, slots: Sequence[Slot], pool: PagePool, counters: MappingCounters, errors: int
     ) -> CacheStats:
         """The figures of a cache's slots and pool (taken under the cache lock)."""
-        step_bytes = config.num_buffers * config.page_size  # one page in every virtual tensor
-        active = sum(len(s.pages) for s in slots if s.active) * step_bytes
-        idle = sum(len(s.pages) for s in slots if not s.active) * step_bytes
+        active = sum(len(s.pages) for s in slots if s.active) * config.page_step_bytes
+        idle = sum(len(s.pages) for s in slots if not s.active) * config.page_step_bytes
         return cls(
             page_size=config.page_size,
             pool_pages=pool.capacity,

@@ -1,4 +1,4 @@
-"""The FastAPI app: settings, the engine thread's lifetime, API-key checks, routes and limits."""
+"""The FastAPI app: the engine thread's lifetime, API-key checks, routes and limits."""
 
 from __future__ import annotations
 
@@ -7,49 +7,31 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 
-from serving.config import EngineConfig
 from serving.server.async_engine import AsyncEngine
 from serving.server.body_limit import BodyLimit
 from serving.server.errors import APIError, add_error_handlers
 from serving.server.metrics import ServerMetrics
 from serving.server.routes import public_routes, v1_routes
+from serving.server.settings import ServerSettings
 from vattn.sizes import KiB, MiB
 
 log = logging.getLogger("vattn.serve")
 
 
-@dataclass(frozen=True)
-class ServerSettings:
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    model_name: str | None = None
-    """The name clients send as `model`; by default the model folder's (or file's) name."""
-    api_key: str | None = None
-    """When set, /v1/* requires `Authorization: Bearer <api_key>`."""
-    max_queue: int = 256
-    """Requests that may wait for a slot; beyond it new ones get 429 with Retry-After."""
-    max_body_bytes: int = MiB
-    host: str = "127.0.0.1"
-    port: int = 8000
-
-    @property
-    def max_pending(self) -> int:
-        return self.engine.max_slots + self.max_queue
-
-
 def build_app(settings: ServerSettings) -> FastAPI:
     """The app; its lifespan starts the engine thread (the model loads while /health says 503)."""
-    if settings.engine.model is None:
+    if settings.engine_config.model is None:
         from serving.model_store import ensure_default_model
 
-        settings = replace(settings, engine=replace(settings.engine, model=str(ensure_default_model())))
-    model_name = settings.model_name or Path(str(settings.engine.model)).name.removesuffix(".gguf")
+        settings = replace(settings, engine_config=replace(settings.engine_config, model=str(ensure_default_model())))
+    model_name = settings.model_name or Path(str(settings.engine_config.model)).name.removesuffix(".gguf")
     metrics = ServerMetrics()
-    engine = AsyncEngine(settings.engine, settings.max_pending, metrics)
+    engine = AsyncEngine(settings.engine_config, settings.max_pending, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -60,7 +42,7 @@ def build_app(settings: ServerSettings) -> FastAPI:
         await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="vattn", version="0.1.0", lifespan=lifespan)
-    app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
+    app.state.engine = engine
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     add_error_handlers(app)
     app.include_router(public_routes(engine, metrics))
@@ -70,7 +52,7 @@ def build_app(settings: ServerSettings) -> FastAPI:
 
 async def _announce_ready(engine: AsyncEngine, model_name: str, settings: ServerSettings) -> None:
     if await asyncio.to_thread(engine.wait_ready):
-        config = settings.engine
+        config = settings.engine_config
         log.info(
             "ready: %s on http://%s:%d/v1 (%s, %d slots, %d MiB KV budget, %d KiB pages)",
             model_name,

@@ -24,18 +24,11 @@ from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
+from serving.server.errors import NotReadyError, OverloadedError
 from serving.server.metrics import ServerMetrics
 
 log = logging.getLogger("vattn.serve")
 T = TypeVar("T")
-
-
-class NotReadyError(Exception):
-    """The model is still loading, failed to load, or the engine has stopped."""
-
-
-class OverloadedError(Exception):
-    """The queue of accepted requests is full; the client should retry later."""
 
 
 @dataclass
@@ -83,7 +76,7 @@ class RequestGroup:
         if self.closed:
             return
         self.closed = True
-        self._engine.num_pending -= self._size
+        self._engine.release_pending(self._size)
         if self.unfinished:
             self._engine.abort(set(self.unfinished))
 
@@ -156,6 +149,10 @@ class AsyncEngine:
             raise
         return RequestGroup(self, ids, group)
 
+    def release_pending(self, count: int) -> None:
+        """Gives back the places of `count` requests that have finished or been aborted."""
+        self.num_pending -= count
+
     def abort(self, request_ids: set[str]) -> None:
         """Ends requests before the engine's next iteration and frees their slots."""
         self._post(lambda engine: self._abort(engine, request_ids))
@@ -196,7 +193,7 @@ class AsyncEngine:
         ids = engine.add_requests(prompts, params)
         for index, request_id in enumerate(ids):
             self._subscribers[request_id] = _Subscriber(index, group, loop, arrival)
-        self.metrics.prompt_tokens.inc(sum(map(len, prompts)))
+        self.metrics.observe_prompts(sum(map(len, prompts)))
         return ids
 
     def _abort(self, engine: LLMEngine, request_ids: Collection[str]) -> None:

@@ -9,9 +9,11 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 from serving.config import EngineConfig
+from serving.server.settings import ServerSettings
 from vattn.backends import BACKENDS
 from vattn.config import DTYPES
-from vattn.sizes import MiB, parse_size
+from vattn.kernels import KERNELS
+from vattn.sizes import parse_size
 
 
 def size(text: str) -> int:
@@ -30,7 +32,7 @@ def positive(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    defaults = EngineConfig()
+    defaults, server = EngineConfig(), ServerSettings()
     root = argparse.ArgumentParser(prog="vattn", description="vattn: LLM serving on a virtual-memory KV cache")
     commands = root.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
@@ -43,8 +45,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="safetensors folder or .gguf file; None: SmolLM2-135M-Instruct")
     serve.add_argument("--served-model-name", help="the name clients send as `model`; None: the model's own")
     serve.add_argument("--dtype", default=defaults.dtype, choices=list(DTYPES))
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the server")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default=server.host, help="address to bind; 0.0.0.0 exposes the server")
+    serve.add_argument("--port", type=int, default=server.port)
     serve.add_argument("--page-size", type=size, default=defaults.page_size, help="physical KV page size")
     serve.add_argument("--max-slots", type=positive, default=defaults.max_slots, help="requests running at once")
     serve.add_argument(
@@ -55,9 +57,9 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--kv-budget", type=size, default=defaults.kv_budget, help="physical bytes for the KV cache")
     serve.add_argument("--backend", default=defaults.backend, choices=BACKENDS)
-    serve.add_argument("--kernel", default=defaults.kernel, help="attention kernel (sdpa, flash_attn, flashinfer_*)")
-    serve.add_argument("--max-queue", type=int, default=256, help="requests that may wait; more get 429")
-    serve.add_argument("--max-body-size", type=size, default=MiB, help="largest request body")
+    serve.add_argument("--kernel", default=defaults.kernel, choices=list(KERNELS), help="attention kernel")
+    serve.add_argument("--max-queue", type=int, default=server.max_queue, help="requests that may wait; more get 429")
+    serve.add_argument("--max-body-size", type=size, default=server.max_body_bytes, help="largest request body")
     serve.add_argument(
         "--api-key",
         help="require 'Authorization: Bearer <key>' on /v1/*; read from $VATTN_API_KEY when unset",
@@ -71,10 +73,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from serving.server.app import ServerSettings, build_app
+    from serving.server.app import build_app
 
     settings = ServerSettings(
-        engine=EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}),
+        engine_config=EngineConfig(
+            **{f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+        ),
         model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("VATTN_API_KEY"),  # not a default: --help would print it
         max_queue=args.max_queue,

@@ -18,6 +18,14 @@ RETRY_AFTER_SECONDS = 1
 """What 429 and 503 answers tell clients to wait before trying again."""
 
 
+class NotReadyError(Exception):
+    """The model is still loading, failed to load, or the engine has stopped: 503."""
+
+
+class OverloadedError(Exception):
+    """The queue of accepted requests is full; the client should retry later: 429."""
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
         super().__init__(message)
@@ -39,6 +47,14 @@ def add_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, error: APIError) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status in (429, 503) else None
         return error_response(error.status, error.message, error.kind, error.param, headers)
+
+    @app.exception_handler(NotReadyError)
+    async def not_ready(request: Request, error: NotReadyError) -> JSONResponse:
+        return await api_error(request, APIError(503, str(error), "service_unavailable"))
+
+    @app.exception_handler(OverloadedError)
+    async def overloaded(request: Request, error: OverloadedError) -> JSONResponse:
+        return await api_error(request, APIError(429, str(error), "rate_limit_exceeded"))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:

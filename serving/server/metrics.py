@@ -52,6 +52,9 @@ class ServerMetrics(Collector):
     def update(self, stats: EngineStats) -> None:
         self._snapshot = stats
 
+    def observe_prompts(self, tokens: int) -> None:
+        self.prompt_tokens.inc(tokens)
+
     def observe_tokens(self, arrival: float, last_token: float | None, now: float, count: int) -> None:
         """`count` tokens of one request came out at `now`."""
         self.generation_tokens.inc(count)
@@ -89,6 +92,7 @@ class ServerMetrics(Collector):
         usage = cache.active_bytes / (cache.pool_pages * cache.page_size)
         yield gauge("kv_cache_usage_perc", "Active KV bytes over the KV budget.", usage)
         yield counter("num_preemptions", "Requests preempted (recomputed later).", snap.preemptions)
+        yield counter("engine_iterations", "Batched model iterations run.", snap.iterations)
         yield gauge("kv_mapped_bytes", "Physical bytes mapped behind KV slots.", cache.mapped_bytes)
         yield gauge("kv_active_bytes", "Mapped bytes of running requests.", cache.active_bytes)
         yield gauge("kv_idle_bytes", "Mapped bytes kept by free slots (deferred reclamation).", cache.idle_bytes)
@@ -103,6 +107,10 @@ class ServerMetrics(Collector):
         needs.add_metric(["reuse"], counters.needs_met_by_reuse)
         needs.add_metric(["step"], counters.needs_mapped_in_step)
         yield needs
+        taken = CounterMetricFamily("vattn:kv_pages_taken", "Physical pages taken from the pool.", labels=["kind"])
+        taken.add_metric(["fresh"], cache.fresh_pages_taken)
+        taken.add_metric(["recycled"], cache.recycled_pages_taken)
+        yield taken
         yield counter("kv_map_calls", "Batched map calls to the VMM backend.", counters.map.calls)
         yield counter("kv_pages_mapped", "Pages mapped.", counters.map.pages)
         yield counter("kv_pages_unmapped", "Pages unmapped.", counters.unmap.pages)

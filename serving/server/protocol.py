@@ -1,7 +1,8 @@
 """The OpenAI API's request and response bodies (the subset vattn serves), as pydantic models.
 
-Field types are checked here; ranges are checked by SamplingParams and the server, so
-each rule lives in one place and its message names the field.
+Field types are checked here, with the bounds clients should see in the schema taken from
+the same constants; ranges are checked by SamplingParams and the server, so each rule
+lives in one place and its message names the field.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from serving.chat_template import ROLES
+from serving.sampling_params import MAX_LOGPROBS
 
 MAX_N = 8
 """Most choices one request may ask for (n), over all its prompts."""
@@ -48,7 +50,7 @@ class SamplingFields(OpenAIBody):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Literal[False] = False
 
 
@@ -71,7 +73,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 def new_id(prefix: str) -> str:

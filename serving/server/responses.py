@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from serving.request import TokenLogprob
-from serving.server.async_engine import NotReadyError, RequestGroup
-from serving.server.errors import error_body
+from serving.server.async_engine import RequestGroup
+from serving.server.errors import NotReadyError, error_body
 from serving.server.protocol import new_id, now, usage
 
 log = logging.getLogger("vattn.serve")

@@ -12,10 +12,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
 from serving.chat_template import chat_prompt_ids
-from serving.request import generation_room
+from serving.request import generation_room, prompt_token_ids
 from serving.sampling_params import SamplingParams
-from serving.server.async_engine import AsyncEngine, NotReadyError, OverloadedError, RequestGroup
-from serving.server.errors import APIError, error_response
+from serving.server.async_engine import AsyncEngine, RequestGroup
+from serving.server.errors import APIError, NotReadyError, error_response
 from serving.server.metrics import ServerMetrics
 from serving.server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest, SamplingFields, now
 from serving.server.responses import ChatCompletions, Completions, ResponseShape, sse
@@ -53,7 +53,9 @@ def v1_routes(engine: AsyncEngine, model_name: str) -> APIRouter:
         _check_model(body.model, model_name)
         _ready(engine)
         prompts = _completion_prompts(engine, body.prompt, body.n)
-        params = [_sampling_params(body, body.max_tokens, body.logprobs, engine, p, "prompt") for p in prompts]
+        params = [
+            _sampling_params(body, body.max_tokens, body.logprobs, engine.max_context, p, "prompt") for p in prompts
+        ]
         shape = Completions(engine.tokenizer, model_name, body.n, prompts, wants_logprobs=body.logprobs is not None)
         return await _respond(engine, request, body, shape, prompts, params)
 
@@ -70,7 +72,7 @@ def v1_routes(engine: AsyncEngine, model_name: str) -> APIRouter:
             raise APIError(400, str(error), param="messages") from error
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = [_sampling_params(body, max_tokens, logprobs, engine, prompt, "messages")]
+        params = [_sampling_params(body, max_tokens, logprobs, engine.max_context, prompt, "messages")]
         shape = ChatCompletions(engine.tokenizer, model_name, body.n, [prompt], wants_logprobs=body.logprobs)
         return await _respond(engine, request, body, shape, [prompt], params)
 
@@ -84,7 +86,7 @@ def _check_model(requested: str, served: str) -> None:
 
 def _ready(engine: AsyncEngine) -> None:
     if not engine.ready:
-        raise APIError(503, engine.not_ready_reason(), "service_unavailable")
+        raise NotReadyError(engine.not_ready_reason())
 
 
 def _completion_prompts(
@@ -97,24 +99,21 @@ def _completion_prompts(
         raise APIError(400, "prompt is empty", param="prompt")
     if len(prompt) * n > MAX_N:
         raise APIError(400, f"{len(prompt)} prompts x n={n} choices is over the limit of {MAX_N}", param="n")
-    prompts = []
-    for p in prompt:
-        if not p:
-            raise APIError(400, "prompt is empty", param="prompt")
-        prompts.append(engine.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p))
-    return prompts
+    try:
+        return [prompt_token_ids(engine.tokenizer, p)[1] for p in prompt]
+    except ValueError as error:
+        raise APIError(400, str(error), param="prompt") from error
 
 
 def _sampling_params(
     body: SamplingFields,
     max_tokens: int | None,
     logprobs: int | None,
-    engine: AsyncEngine,
+    max_context: int,
     prompt: list[int],
     prompt_field: str,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice (seeds seed, seed+1, ...); checks lengths against the context."""
-    max_context = engine.max_context
     try:
         room = generation_room(len(prompt), max_context)
     except ValueError as error:
@@ -171,8 +170,6 @@ async def _respond(
         )
     try:
         collected = await _unless_disconnected(request, shape.collect(group))
-    except NotReadyError as error:
-        raise APIError(503, str(error), "service_unavailable") from error
     finally:
         group.close()  # a no-op when collect() ran to its end
     if collected is None:
@@ -185,10 +182,6 @@ async def _submit(engine: AsyncEngine, prompts: list[list[int]], params: list[Sa
         return await engine.submit(prompts, params)
     except ValueError as error:
         raise APIError(400, str(error), param="prompt") from error
-    except OverloadedError as error:
-        raise APIError(429, str(error), "rate_limit_exceeded") from error
-    except NotReadyError as error:
-        raise APIError(503, str(error), "service_unavailable") from error
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

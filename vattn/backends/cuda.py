@@ -53,11 +53,11 @@ class CudaBackend(VMMBackend):
 
     name = "cuda"
 
-    def __init__(self, page_size: int, max_pages: int, native: bool | None, device: int | None = None) -> None:
+    def __init__(self, page_size: int, max_pages: int, native: bool | None) -> None:
         self._driver = driver = import_driver()
         if not torch.cuda.is_available():
             raise UnavailableError("the CUDA backend needs a GPU, and torch.cuda.is_available() is False here")
-        index = torch.cuda.current_device() if device is None else device
+        index = torch.cuda.current_device()
         self.device = torch.device("cuda", index)
         try:
             initialised = driver.cuInit(0)
