@@ -70,7 +70,7 @@ class ModelRunner:
     """Runs one iteration's tokens (prefill chunks and decodes together) through the model."""
 
     def __init__(self, model: Any, shape: ModelShape, attend: Attend) -> None:
-        self.shape = shape
+        self._shape = shape
         self._model = model
         self._body = model.model
         self._attend = attend
@@ -78,7 +78,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, batch: AttentionBatch) -> Tensor:
         """Hidden states `[tokens, hidden]` after the final norm; token positions come from the batch."""
-        shape, body = self.shape, self._body
+        shape, body = self._shape, self._body
         hidden = body.embed_tokens(input_ids)
         cos, sin = body.rotary_emb(hidden, batch.token_positions[None])
         cos, sin = cos[0], sin[0]
