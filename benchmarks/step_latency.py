@@ -19,7 +19,7 @@ shapes by default: 32 layers x 8 KV heads x 128, bfloat16, so 1,024 tokens per p
 each iteration runs as an engine's would: the model's work is launched first, asynchronously
 on the current stream (a loop of 4096^2 bf16 matmuls calibrated once to about
 `--compute-ms`), then `step()` (timed on the host), then the new token's K and V are written
-into every layer through the cache (`cache.layer_kv` + one indexed write per tensor, queued
+into every layer through the cache (the whole virtual tensors + one indexed write per tensor, queued
 behind the matmuls), then `torch.cuda.synchronize()`, as an engine waits for the sampled
 tokens. Background mapping overlaps the GPU's work; synchronous mapping sits on the host's
 critical path. Results default to `gpu_step_latency.*`; without a GPU (or cuda-python) it
@@ -181,8 +181,9 @@ def token_writer(cache: KVCache, reqids: list[int], lengths: list[int], indexed:
     every layer's K and V through the cache; `it = -1` rewrites the last prefilled token.
 
     Not `indexed` (host): one copy per request and tensor through `cache.kv` views (the new
-    token is each view's last row). `indexed` (GPU): one indexed write per tensor through
-    `cache.layer_kv`, positions computed on the device, so nothing waits for it.
+    token is each view's last row). `indexed` (GPU): one indexed write per tensor into the
+    layer's whole virtual tensors as the kernels make it (under a pin of the requests),
+    positions computed on the device, so nothing waits for it.
     """
     cfg = cache.config
     if not indexed:
@@ -202,8 +203,9 @@ def token_writer(cache: KVCache, reqids: list[int], lengths: list[int], indexed:
 
     def write_indexed(it: int) -> None:
         index = (slots, first + it)
+        held = cache.pin(reqids)  # noqa: F841  # no slot of these requests is unmapped meanwhile
         for layer in range(cfg.num_layers):
-            keys, values = cache.layer_kv(layer)
+            keys, values = cache._layer_tensors(layer)
             keys.index_put_(index, tokens)
             values.index_put_(index, tokens)
 

@@ -219,10 +219,10 @@ def test_step_errors_change_nothing(make_cache: MakeCache) -> None:
     bad = [
         ([(reqid, 5)], "seq_lens must map reqid -> length"),
         ({reqid: -1}, "must be an integer in \\[0, 1000\\]"),
-        ({reqid: 1001}, "must be an integer in \\[0, 1000\\] \\(max_context\\)"),
+        ({reqid: 1001}, "\\(max_context\\) must be an integer in \\[0, 1000\\]"),
         ({reqid: 3.0}, "must be an integer"),
         ({reqid: 50, 7: 3}, "reqid 7 is not allocated"),
-        ({99: 3}, "reqid must be an integer in \\[0, 8\\)"),
+        ({99: 3}, "reqid must be an integer in \\[0, 7\\]"),
         ({"0": 3}, "reqid must be an integer"),
     ]
     for seq_lens, message in bad:
@@ -240,7 +240,7 @@ def test_api_errors(make_cache: MakeCache) -> None:
     with pytest.raises(ValueError, match="reqid must be an integer"):
         cache.free_reqid(-1)
     reqid = cache.alloc_reqid()
-    with pytest.raises(ValueError, match="layer must be an integer in \\[0, 4\\)"):
+    with pytest.raises(ValueError, match="layer must be an integer in \\[0, 3\\]"):
         cache.kv(4, reqid)
     with pytest.raises(ValueError, match="not allocated"):
         cache.kv(0, reqid + 1)

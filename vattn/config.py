@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal, get_args
 
 import torch
@@ -21,7 +22,7 @@ DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """Shape and policy of one KV cache.
+    """Shape and policy of one KV cache (frozen: the layout figures are computed once).
 
     Layouts: ``per_layer`` reserves one K and one V tensor per layer, each
     ``[max_slots, max_context, num_kv_heads, head_dim]``; ``mega`` reserves one K and one
@@ -77,42 +78,42 @@ class KVCacheConfig:
                     f"{self.page_size} B, but one page step of this layout needs {self.num_buffers}"
                 )
 
-    @property
+    @cached_property
     def element_size(self) -> int:
         return self.dtype.itemsize
 
-    @property
+    @cached_property
     def num_buffers(self) -> int:
         """Virtual tensors reserved: K and V per layer, or one K and one V for all layers."""
         return 2 * self.num_layers if self.layout == "per_layer" else 2
 
-    @property
+    @cached_property
     def bytes_per_token(self) -> int:
         """Bytes one token occupies in one virtual tensor."""
         per_layer = self.num_kv_heads * self.head_dim * self.element_size
         return per_layer if self.layout == "per_layer" else per_layer * self.num_layers
 
-    @property
+    @cached_property
     def slot_pages(self) -> int:
         """Pages behind one slot of one virtual tensor at full context."""
         return math.ceil(self.max_context * self.bytes_per_token / self.page_size)
 
-    @property
+    @cached_property
     def slot_stride(self) -> int:
         """Bytes between two slots of a virtual tensor (whole pages)."""
         return self.slot_pages * self.page_size
 
-    @property
+    @cached_property
     def reservation_bytes(self) -> int:
         """Address space reserved for each virtual tensor: every slot at full context."""
         return self.max_slots * self.slot_stride
 
-    @property
+    @cached_property
     def page_step_bytes(self) -> int:
         """Physical bytes of one page step: one page in every virtual tensor."""
         return self.num_buffers * self.page_size
 
-    @property
+    @cached_property
     def pool_pages(self) -> int:
         """Physical pages the pool may create: the budget, capped at what all slots can use."""
         capacity = self.max_slots * self.slot_pages * self.num_buffers
@@ -120,29 +121,40 @@ class KVCacheConfig:
             return capacity
         return min(capacity, self.memory_budget // self.page_size)
 
-    @property
+    @cached_property
     def tensor_shape(self) -> tuple[int, ...]:
         """Shape of each virtual tensor: `[slots, context, kv_heads, head_dim]`, with layers before
         the heads in the mega layout."""
         layers = () if self.layout == "per_layer" else (self.num_layers,)
         return (self.max_slots, self.max_context, *layers, self.num_kv_heads, self.head_dim)
 
-    @property
+    @cached_property
     def tensor_strides(self) -> tuple[int, ...]:
         """Element strides of `tensor_shape`: slots `slot_stride` bytes apart, the rest packed."""
         row = self.num_kv_heads * self.head_dim
         per_token = (row,) if self.layout == "per_layer" else (self.num_layers * row, row)
         return (self.slot_stride // self.element_size, *per_token, self.head_dim, 1)
 
-    def virtual_tensor(self, reservation: torch.Tensor) -> torch.Tensor:
-        """A reservation's flat bytes viewed as `tensor_shape` (no copy)."""
-        return reservation.view(self.dtype).as_strided(self.tensor_shape, self.tensor_strides)
+    def kv_buffers(self, layer: int) -> tuple[int, int]:
+        """Which virtual tensors hold a layer's K and V."""
+        return (2 * layer, 2 * layer + 1) if self.layout == "per_layer" else (0, 1)
 
-    def layer_views(self, buffers: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's K and V `[slots, context, kv_heads, head_dim]` among the virtual tensors."""
-        if self.layout == "per_layer":
-            return buffers[2 * layer], buffers[2 * layer + 1]
-        return buffers[0][:, :, layer], buffers[1][:, :, layer]
+    def rows_bytes(self, rows: int, length: int) -> int:
+        """Bytes from the start of a slot's row to the end of token `length` of the row `rows - 1` later."""
+        return (rows - 1) * self.slot_stride + length * self.bytes_per_token
+
+    def rows_view(self, flat: torch.Tensor, layer: int, length: int, rows: int | None = None) -> torch.Tensor:
+        """One layer's `[rows, length, kv_heads, head_dim]` (`[length, ...]` if `rows` is None) in
+        elements `flat` of `dtype` that start at a slot's row of a virtual tensor and span
+        `rows_bytes(rows or 1, length)` (no copy)."""
+        heads, dim = self.num_kv_heads, self.head_dim
+        if self.layout == "per_layer" and rows is None:
+            return flat.view(length, heads, dim)
+        slot, token, *_ = self.tensor_strides
+        offset = 0 if self.layout == "per_layer" else layer * heads * dim
+        if rows is None:
+            return flat.as_strided((length, heads, dim), (token, dim, 1), offset)
+        return flat.as_strided((rows, length, heads, dim), (slot, token, dim, 1), offset)
 
     def page_offset(self, slot: int, page: int) -> int:
         """Byte offset of page `page` of slot `slot` inside any one virtual tensor."""
@@ -159,6 +171,22 @@ class KVCacheConfig:
 
 def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def exact_int(value: object, name: str, low: int, high: int) -> int:
+    """`value` as a plain int in [low, high], or ValueError naming it.
+
+    An int subclass is read by the number it stores: its own comparisons, hash and
+    `__index__` could make one reqid look like two, so they are never consulted.
+    """
+    if type(value) is int and low <= value <= high:  # the common case, first
+        return value
+    if not is_int(value):
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    number = int.__index__(value)  # type: ignore[arg-type]
+    if not low <= number <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {number}")
+    return number
 
 
 def require_positive_int(name: str, value: object) -> None:

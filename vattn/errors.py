@@ -20,9 +20,11 @@ class OutOfPagesError(CapacityError):
 class OutOfSlotsError(CapacityError):
     """Every request slot (reqid) is in use."""
 
-    def __init__(self, max_slots: int) -> None:
-        super().__init__(f"all {max_slots} request slots are in use; free a reqid first")
+    def __init__(self, max_slots: int, held_by_views: int = 0) -> None:
+        held = f" ({held_by_views} freed ones wait for their old views to be dropped)" if held_by_views else ""
+        super().__init__(f"all {max_slots} request slots are in use{held}; free a reqid first")
         self.max_slots = max_slots
+        self.held_by_views = held_by_views
 
 
 class UnavailableError(RuntimeError):

@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vattn.config import is_int
+from vattn.config import exact_int, is_int
 from vattn.errors import UnavailableError
 from vattn.kv_cache import KVCache
+from vattn.memory import Lease
 from vattn.sizes import MiB
 
 FLASHINFER_WORKSPACE_BYTES = 128 * MiB
@@ -51,6 +52,9 @@ class AttentionBatch:
     """int64 `[tokens]`: reqid of each new token."""
     token_positions: torch.Tensor
     """int64 `[tokens]`: cache position of each new token."""
+    lease: Lease
+    """Holds the requests' slots while the batch lives (see `KVCache.pin`): drop the batch
+    when the iteration ends, so freed slots can be reused at once."""
     wrapper: Any = None
     """A kernel's own per-iteration state (FlashInfer's planned wrapper)."""
 
@@ -90,14 +94,14 @@ class AttentionKernel(ABC):
             raise ValueError(
                 f"plan needs one new-token count per reqid, got {len(reqids)} reqids, {len(new_tokens)} counts"
             )
+        reqids = [exact_int(reqid, "reqid", 0, self.cache.config.max_slots - 1) for reqid in reqids]
         if len(set(reqids)) != len(reqids):
             raise ValueError(f"reqids must be distinct, got {list(reqids)}")
         lengths = self.cache.lengths(reqids)
-        for reqid, new, length in zip(reqids, new_tokens, lengths, strict=True):
-            if not is_int(new) or not 1 <= new <= length:
-                raise ValueError(
-                    f"reqid {reqid}: new tokens must be an integer in [1, {length}] (its stepped length), got {new!r}"
-                )
+        new_tokens = [
+            exact_int(new, f"reqid {reqid}: new tokens", 1, length)
+            for reqid, new, length in zip(reqids, new_tokens, lengths, strict=True)
+        ]
         starts = [0]
         for new in new_tokens:
             starts.append(starts[-1] + new)
@@ -115,6 +119,7 @@ class AttentionKernel(ABC):
             ),
             token_reqids=torch.tensor(token_reqids, dtype=torch.int64, device=device),
             token_positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            lease=self.cache.pin(reqids),
         )
         return self._planned(batch)
 
@@ -139,7 +144,7 @@ class AttentionKernel(ABC):
                     f"{name} must be {cfg.dtype} {list(shape)} on {self.cache.device}, "
                     f"got {tensor.dtype} {list(tensor.shape)} on {tensor.device}"
                 )
-        return self._forward(self.cache.layer_kv(layer), batch, q, k, v)
+        return self._forward(self.cache._layer_tensors(layer), batch, q, k, v)
 
     @abstractmethod
     def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -5,14 +5,17 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from vattn.backends import VMMBackend, make_backend
-from vattn.config import KVCacheConfig, is_int
+from vattn.backends.base import MapError
+from vattn.config import KVCacheConfig, exact_int
 from vattn.errors import OutOfPagesError, OutOfSlotsError
 from vattn.mapper import BackgroundMapper
+from vattn.memory import CacheMemory, Lease
 from vattn.page_pool import PagePool
 from vattn.slot import Origin, Slot
 from vattn.stats import CacheStats, MappingCounters
@@ -26,40 +29,58 @@ class KVCache:
     `step(seq_lens)` makes every listed request's pages present before the model runs; a
     background thread maps the next token's pages while the model computes, freed slots
     keep their pages for the next request, and the slot handed out next is pre-mapped.
-    Views never reach past mapped memory.
+
+    Views follow torch's storage rule (see vattn.memory): memory a live view can reach is
+    never unmapped, never handed to another request and never reused by another cache,
+    whatever is called meanwhile (free_reqid, step, release_idle, close, fork).
     """
 
     def __init__(self, config: KVCacheConfig) -> None:
         self.config = config
         self.backend: VMMBackend = make_backend(config)
-        self._pool = PagePool(self.backend, config.pool_pages)
-        self._bases: list[int] = []
-        try:
-            for _ in range(config.num_buffers):
-                self._bases.append(self.backend.reserve(config.reservation_bytes))
-        except BaseException:
-            self._free_address_space()
-            raise
-        buffers = [config.virtual_tensor(self.backend.tensor(base, config.reservation_bytes)) for base in self._bases]
-        self._layers = [config.layer_views(buffers, layer) for layer in range(config.num_layers)]
-        """Each layer's K and V `[slots, context, kv_heads, head_dim]` views, built once."""
-        self.device = buffers[0].device
         self._slots = [Slot(i) for i in range(config.max_slots)]
+        self._pool = PagePool(self.backend, config.pool_pages)
+        memory = CacheMemory(config, self.backend, self._slots, self._pool)
+        try:
+            memory.reserve()
+            whole = Lease(memory, ())
+            nbytes, dtype = config.reservation_bytes, config.dtype
+            buffers = [self.backend.tensor(base, nbytes, whole, dtype=dtype) for base in memory.bases]
+        except BaseException:
+            memory.release()
+            raise
+        self._memory: CacheMemory | None = memory
+        """Held while open; afterwards only views hold it (see close)."""
+        self._bases, self._stranded = memory.bases, memory.stranded
+        self._whole = weakref.ref(whole)
+        rows, context = config.max_slots, config.max_context
+        self._layers = [
+            tuple(config.rows_view(buffers[b], layer, context, rows) for b in config.kv_buffers(layer))
+            for layer in range(config.num_layers)
+        ]
+        """Each layer's K and V `[slots, context, kv_heads, head_dim]` virtual tensors, for the kernels."""
+        self._layer_bases = [
+            tuple(self._bases[b] for b in config.kv_buffers(layer)) for layer in range(config.num_layers)
+        ]
+        self.device = buffers[0].device
         self._lock = threading.Lock()
         self._counters = MappingCounters()
         self._closed = False
-        self._mapper = BackgroundMapper(self._work_ahead) if config.background else None
+        self._mapper = BackgroundMapper(weakref.WeakMethod(self._work_ahead)) if config.background else None
+        self._stop_mapper = weakref.finalize(self, self._mapper.close) if self._mapper else None
         self._wake_mapper()
 
     # ---------------------------------------------------------------- requests
 
     def alloc_reqid(self) -> int:
-        """Hands out a free slot, preferring one that still has pages mapped."""
+        """Hands out a free slot, preferring one that still has pages mapped (never one that a
+        live view of its last request can still reach)."""
         with self._lock:
             self._check_open()
             slot = self._next_free_slot()
             if slot is None:
-                raise OutOfSlotsError(self.config.max_slots)
+                held = sum(not s.active and s.pinned() for s in self._slots)
+                raise OutOfSlotsError(self.config.max_slots, held)
             slot.active, slot.length = True, 0
         self._wake_mapper()
         return slot.index
@@ -104,24 +125,26 @@ class KVCache:
     def kv(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one request in one layer, `[length, kv_heads, head_dim]` views.
 
-        Valid until the request is freed or stepped to a shorter length.
+        They hold the request's slot: while they live it is never unmapped and, once freed,
+        not handed out again, so they always read what this request wrote.
         """
         with self._lock:
             self._check_open()
-            keys, values = self._layer_tensors(layer)
+            layer = self._layer_index(layer)
             slot = self._active_slot(reqid)
-            return keys[slot.index, : slot.length], values[slot.index, : slot.length]
+            return self._views(layer, [slot], slot.length, rows=None)
 
     def kv_batch(self, layer: int, reqids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[len(reqids), max length, kv_heads, head_dim]` for padded batched attention.
 
         Every request must have the padded length mapped (pages are whole, so this holds
         whenever the lengths share their last page; otherwise step the short ones up).
-        A view when the reqids are consecutive slots, a gather of mapped rows otherwise.
+        A view when the reqids are consecutive slots (holding them, as `kv` does), a copy of
+        the mapped rows otherwise.
         """
         with self._lock:
             self._check_open()
-            keys, values = self._layer_tensors(layer)
+            layer = self._layer_index(layer)
             if not reqids:
                 raise ValueError("kv_batch needs at least one reqid")
             slots = [self._active_slot(r) for r in reqids]
@@ -135,8 +158,8 @@ class KVCache:
                     )
             first = slots[0].index
             if [slot.index for slot in slots] == list(range(first, first + len(slots))):
-                rows = slice(first, first + len(slots))
-                return keys[rows, :length], values[rows, :length]
+                return self._views(layer, slots, length, rows=len(slots))
+            keys, values = self._layers[layer]
             index = torch.tensor([slot.index for slot in slots], device=keys.device)
             return keys[:, :length].index_select(0, index), values[:, :length].index_select(0, index)
 
@@ -146,16 +169,23 @@ class KVCache:
             self._check_open()
             return [self._active_slot(reqid).length for reqid in reqids]
 
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def pin(self, reqids: Sequence[int]) -> Lease:
+        """Holds these requests' slots as their views would, while the returned lease lives
+        (an attention batch holds one for its iteration)."""
+        with self._lock:
+            self._check_open()
+            return self._lease([self._active_slot(reqid) for reqid in reqids])
+
+    def _layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's whole K and V virtual tensors, `[max_slots, max_context, kv_heads, head_dim]`.
 
-        For attention kernels (`vattn.kernels`), which index rows by reqid and bound every
-        access by `lengths()`: anything past a slot's length may be unmapped, and touching it
-        kills the process on the host and faults the GPU.
+        Only for vattn.kernels, within an iteration whose batch holds a `pin` of its
+        requests: the kernels index rows by reqid and bound every access by `lengths()`.
+        Anything else in these tensors may be unmapped or another request's.
         """
         with self._lock:
             self._check_open()
-            return self._layer_tensors(layer)
+            return self._layers[self._layer_index(layer)]
 
     def page_table(self, reqid: int) -> list[list[int]]:
         """Physical pages behind a request: entry k lists page k of each virtual tensor."""
@@ -166,8 +196,9 @@ class KVCache:
     # ---------------------------------------------------------------- admission
 
     def num_free_slots(self) -> int:
+        """Slots alloc_reqid can hand out (freed ones that live views hold are not)."""
         with self._lock:
-            return sum(not slot.active for slot in self._slots)
+            return sum(not slot.active and not slot.pinned() for slot in self._slots)
 
     def num_free_pages(self) -> int:
         """Physical pages mapped nowhere (idle slots' pages are not counted)."""
@@ -176,8 +207,7 @@ class KVCache:
 
     def can_admit(self, num_tokens: int) -> bool:
         """Whether a new request of `num_tokens` could get a reqid and be stepped now."""
-        if not is_int(num_tokens) or not 0 <= num_tokens <= self.config.max_context:
-            raise ValueError(f"num_tokens must be an integer in [0, {self.config.max_context}], got {num_tokens!r}")
+        num_tokens = exact_int(num_tokens, "num_tokens", 0, self.config.max_context)
         with self._lock:
             self._check_open()
             slot = self._next_free_slot()
@@ -194,10 +224,11 @@ class KVCache:
             return CacheStats.of(self.config, self._slots, self._pool, self._counters, errors)
 
     def release_idle(self) -> None:
-        """Unmaps every idle slot's pages back into the pool (deferred reclamation, now)."""
+        """Unmaps every idle slot's pages back into the pool (deferred reclamation, now), but
+        those of slots that live views still hold."""
         with self._lock:
             self._check_open()
-            idle = [(slot, len(slot.pages)) for slot in self._slots if not slot.active and slot.pages]
+            idle = [(s, len(s.pages)) for s in self._slots if not s.active and s.pages and not s.pinned()]
             if idle:
                 self._unmap_tail(idle)
 
@@ -206,20 +237,19 @@ class KVCache:
         return self._mapper.wait_idle(timeout) if self._mapper else True
 
     def close(self) -> None:
-        """Stops the background thread and frees all address space and physical pages."""
+        """Stops the background thread and frees all address space and physical pages, now if
+        no view lives, otherwise as soon as the last one dies (views stay valid till then).
+        A cache that is dropped without close() is freed the same way by the garbage collector."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        if self._mapper:
-            self._mapper.close()
+        if self._stop_mapper:
+            self._stop_mapper()
         self._layers.clear()
-        mapped = [(slot, len(slot.pages)) for slot in self._slots if slot.pages]
-        if mapped:
-            self._unmap_tail(mapped)
-        self._free_address_space()
-        self._pool.release_all()
-        self.backend.close()
+        memory, self._memory = self._memory, None
+        if memory and self._whole() is None and not any(slot.pinned() for slot in self._slots):
+            memory.release()  # here, so that errors reach the caller
 
     def __enter__(self) -> KVCache:
         return self
@@ -229,40 +259,56 @@ class KVCache:
 
     # ---------------------------------------------------------------- internals
 
-    def _layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not is_int(layer) or not 0 <= layer < self.config.num_layers:
-            raise ValueError(f"layer must be an integer in [0, {self.config.num_layers}), got {layer!r}")
-        return self._layers[layer]
+    def _layer_index(self, layer: int) -> int:
+        return exact_int(layer, "layer", 0, self.config.num_layers - 1)
+
+    def _views(self, layer: int, slots: list[Slot], length: int, rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views (`rows_view`) of consecutive slots over storages of their own, which
+        hold a lease on exactly those slots (under the lock)."""
+        cfg = self.config
+        if length == 0:
+            shape = (0, cfg.num_kv_heads, cfg.head_dim) if rows is None else (rows, 0, cfg.num_kv_heads, cfg.head_dim)
+            empty = torch.empty(shape, dtype=cfg.dtype, device=self.device)
+            return empty, empty.clone()
+        lease = self._lease(slots)
+        offset, nbytes = slots[0].index * cfg.slot_stride, cfg.rows_bytes(rows or 1, length)
+        k_base, v_base = self._layer_bases[layer]
+        k = self.backend.tensor(k_base + offset, nbytes, lease, True, cfg.dtype)
+        v = self.backend.tensor(v_base + offset, nbytes, lease, True, cfg.dtype)
+        return cfg.rows_view(k, layer, length, rows), cfg.rows_view(v, layer, length, rows)
+
+    def _lease(self, slots: list[Slot]) -> Lease:
+        if self._memory is None:
+            raise RuntimeError("this KVCache is closed")
+        return Lease(self._memory, slots)
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this KVCache is closed")
+        if self.backend.forked:
+            raise RuntimeError("this KVCache belongs to the process that forked this one and cannot be used here")
 
     def _active_slot(self, reqid: int) -> Slot:
-        if not is_int(reqid) or not 0 <= reqid < self.config.max_slots:
-            raise ValueError(f"reqid must be an integer in [0, {self.config.max_slots}), got {reqid!r}")
-        slot = self._slots[reqid]
+        slot = self._slots[exact_int(reqid, "reqid", 0, self.config.max_slots - 1)]
         if not slot.active:
-            raise ValueError(f"reqid {reqid} is not allocated (never handed out, or already freed)")
+            raise ValueError(f"reqid {slot.index} is not allocated (never handed out, or already freed)")
         return slot
 
     def _validated_lengths(self, seq_lens: Mapping[int, int]) -> list[tuple[Slot, int]]:
         if not isinstance(seq_lens, Mapping):
             raise ValueError(f"seq_lens must map reqid -> length, got {type(seq_lens).__name__}")
-        targets = []
+        targets: dict[int, tuple[Slot, int]] = {}
         for reqid, length in seq_lens.items():
             slot = self._active_slot(reqid)
-            if not is_int(length) or not 0 <= length <= self.config.max_context:
-                raise ValueError(
-                    f"length of reqid {reqid} must be an integer in [0, {self.config.max_context}] "
-                    f"(max_context), got {length!r}"
-                )
-            targets.append((slot, length))
-        return targets
+            if slot.index in targets:
+                raise ValueError(f"reqid {slot.index} is listed twice")
+            name = f"length of reqid {slot.index} (max_context)"
+            targets[slot.index] = (slot, exact_int(length, name, 0, self.config.max_context))
+        return list(targets.values())
 
     def _next_free_slot(self) -> Slot | None:
         """The slot alloc_reqid hands out next: most pages mapped, then lowest index."""
-        free = (slot for slot in self._slots if not slot.active)
+        free = (slot for slot in self._slots if not slot.active and not slot.leases)  # leases: pinned
         return max(free, key=lambda slot: (len(slot.pages), -slot.index), default=None)
 
     def _page_addrs(self, slot: Slot, first: int, count: int) -> list[int]:
@@ -278,6 +324,11 @@ class KVCache:
         started = time.perf_counter()
         try:
             self.backend.map(addrs, pages)
+        except MapError as exc:  # pages still mapped somewhere must never be handed out again
+            stranded = set(exc.stranded)
+            self._stranded += exc.stranded
+            self._pool.give_back([page for addr, page in zip(addrs, pages, strict=True) if addr not in stranded])
+            raise
         except BaseException:
             self._pool.give_back(pages)
             raise
@@ -311,12 +362,15 @@ class KVCache:
 
     def _reclaimable(self, keep: Mapping[int, int], include_active: bool) -> list[tuple[Slot, int]]:
         """Page steps that can go, cheapest loss first: idle slots (the next reqid's last),
-        then active slots' pages past what they need. `keep` overrides what a slot needs."""
+        then active slots' pages past what they need. `keep` overrides what a slot needs.
+        Slots that live views hold keep every page."""
         nxt = self._next_free_slot()
         idle = sorted((s for s in self._slots if not s.active and s is not nxt), key=lambda s: len(s.pages))
         order = idle + ([nxt] if nxt else []) + ([s for s in self._slots if s.active] if include_active else [])
         spare = []
         for slot in order:
+            if slot.pinned():
+                continue
             need = keep.get(slot.index, self.config.pages_for(slot.length) if slot.active else 0)
             if len(slot.pages) > need:
                 spare.append((slot, len(slot.pages) - need))
@@ -388,8 +442,3 @@ class KVCache:
         if nxt and len(nxt.pages) < eager and self._pool.num_free - width >= floor:
             return self._map([(nxt, 1)], Origin.BACKGROUND)
         return None
-
-    def _free_address_space(self) -> None:
-        for base in self._bases:
-            self.backend.free_reservation(base, self.config.reservation_bytes)
-        self._bases.clear()

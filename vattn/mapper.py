@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -13,10 +14,12 @@ class BackgroundMapper:
     """Runs `work` whenever woken until it reports nothing left to do.
 
     `work` does one bounded unit (one batch of map calls) per call and returns whether it did
-    anything, so a `step()` waiting on the cache lock waits for one batch at most.
+    anything, so a `step()` waiting on the cache lock waits for one batch at most. The thread
+    holds `work`'s object only while working, so a cache nobody else holds is collected
+    (and the thread stops with it).
     """
 
-    def __init__(self, work: Callable[[], bool]) -> None:
+    def __init__(self, work: weakref.WeakMethod[Callable[[], bool]]) -> None:
         self._work = work
         self._wake = threading.Condition()
         self._pending = False
@@ -37,10 +40,12 @@ class BackgroundMapper:
             return self._wake.wait_for(lambda: not (self._pending or self._busy), timeout)
 
     def close(self) -> None:
+        """Stops the thread; waits for it unless called from it (the cache collected there)."""
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
-        self._thread.join()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _run(self) -> None:
         while True:
@@ -49,12 +54,18 @@ class BackgroundMapper:
                 if self._stopping:
                     return
                 self._pending, self._busy = False, True
-            try:
-                while not self._stopping and self._work():
-                    pass
-            except Exception:  # the sync path in step() still guarantees correctness
-                self.errors += 1
-                log.exception("background mapping failed; step() will map synchronously")
+            self._work_off()
             with self._wake:
                 self._busy = False
                 self._wake.notify_all()
+
+    def _work_off(self) -> None:
+        work = self._work()
+        if work is None:
+            return
+        try:
+            while not self._stopping and work():
+                pass
+        except Exception:  # the sync path in step() still guarantees correctness
+            self.errors += 1
+            log.exception("background mapping failed; step() will map synchronously")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 
 class Origin(Enum):
@@ -28,3 +30,11 @@ class Slot:
     """Tokens the last step() guaranteed; views of the slot stop here."""
     pages: list[list[int]] = field(default_factory=list)
     origins: list[Origin] = field(default_factory=list)
+    leases: set[weakref.ref[Any]] = field(default_factory=set)
+    """Live leases of tensors (or attention batches) that can reach this slot; each one's
+    weak reference takes itself out when the lease dies (see vattn.memory)."""
+
+    def pinned(self) -> bool:
+        """Whether a live lease can reach the slot: then none of its pages may be unmapped,
+        and once freed it is not handed out again until the lease dies."""
+        return bool(self.leases)

@@ -75,6 +75,8 @@ class CacheStats:
     recycled_pages_taken: int
     pages_per_slot: tuple[int, ...]
     active_slots: int
+    pinned_slots: int
+    """Slots a live view (or planned batch) can reach: never unmapped, not handed out again meanwhile."""
     counters: MappingCounters
     background_errors: int
 
@@ -98,6 +100,7 @@ class CacheStats:
             recycled_pages_taken=pool.recycled_pages_taken,
             pages_per_slot=tuple(len(s.pages) * config.num_buffers for s in slots),
             active_slots=sum(s.active for s in slots),
+            pinned_slots=sum(s.pinned() for s in slots),
             counters=copy.deepcopy(counters),
             background_errors=errors,
         )

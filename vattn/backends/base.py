@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
+
+
+class MapError(OSError):
+    """A batch could not be mapped, and `stranded` of its addresses could not be unmapped again."""
+
+    def __init__(self, errno: int, message: str, stranded: Sequence[int]) -> None:
+        super().__init__(errno, message)
+        self.stranded = list(stranded)
 
 
 class VMMBackend(ABC):
@@ -13,19 +23,27 @@ class VMMBackend(ABC):
 
     Pages are opaque integer handles (a pool offset on the host, a
     CUmemGenericAllocationHandle on CUDA). `map` is all-or-nothing: on failure it
-    undoes what it mapped and raises, so callers never see a half-mapped batch.
+    undoes what it mapped and raises, so callers never see a half-mapped batch (if even
+    the undo fails, `MapError.stranded` says which addresses stay mapped).
+
+    In a child made by fork() every backend the parent had is `forked`: its memory is
+    the parent's, and the child must not touch it (see `after_fork_in_child`).
     """
 
     name: str
     page_size: int
+
+    def __init__(self) -> None:
+        self.forked = False
+        _LIVE_BACKENDS.add(self)
 
     @abstractmethod
     def reserve(self, nbytes: int) -> int:
         """Reserves `nbytes` of address space with nothing behind it; returns its address."""
 
     @abstractmethod
-    def free_reservation(self, addr: int, nbytes: int) -> None:
-        """Gives a reservation back; every page mapped in it must have been unmapped."""
+    def free_reservation(self, addr: int, nbytes: int, mapped: Sequence[int] = ()) -> None:
+        """Gives a reservation back, with the pages still mapped in it at `mapped`."""
 
     @abstractmethod
     def create_pages(self, count: int) -> list[int]:
@@ -51,12 +69,31 @@ class VMMBackend(ABC):
         return len(addrs)
 
     @abstractmethod
-    def tensor(self, addr: int, nbytes: int) -> torch.Tensor:
-        """A flat uint8 tensor over `nbytes` of reserved, not yet mapped, address space (no copy).
+    def tensor(
+        self, addr: int, nbytes: int, owner: object = None, mapped: bool = False, dtype: torch.dtype = torch.uint8
+    ) -> torch.Tensor:
+        """A flat `dtype` tensor over `nbytes` of reserved address space (no copy).
 
-        Pages mapped there later show through; touching the rest faults.
+        Pages mapped there show through; touching the rest faults. The tensor's storage
+        (and so every view of it) keeps `owner` alive. `mapped` says the first page is
+        mapped already.
         """
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child: marks the backend `forked`; backends detach the parent's pages here."""
+        self.forked = True
 
     @abstractmethod
     def close(self) -> None:
         """Frees whatever the backend still owns."""
+
+
+_LIVE_BACKENDS: weakref.WeakSet[VMMBackend] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for backend in list(_LIVE_BACKENDS):
+        backend.after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vattn.backends.base import VMMBackend
+from vattn.backends.base import MapError, VMMBackend
 from vattn.backends.cuda_calls import CudaCalls, select_cuda_calls
 from vattn.errors import OutOfPagesError, UnavailableError
 
@@ -42,10 +42,12 @@ class CudaError(RuntimeError):
 
 
 class _DeviceArray:
-    """`nbytes` of device memory at `addr`, described for torch (__cuda_array_interface__)."""
+    """`nbytes` of device memory at `addr`, described for torch (__cuda_array_interface__); the
+    tensor's storage holds the array, and the array its `owner`."""
 
-    def __init__(self, addr: int, nbytes: int) -> None:
+    def __init__(self, addr: int, nbytes: int, owner: object) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 2}
+        self.owner = owner
 
 
 class CudaBackend(VMMBackend):
@@ -54,6 +56,7 @@ class CudaBackend(VMMBackend):
     name = "cuda"
 
     def __init__(self, page_size: int, max_pages: int, native: bool | None) -> None:
+        super().__init__()
         self._driver = driver = import_driver()
         if not torch.cuda.is_available():
             raise UnavailableError("the CUDA backend needs a GPU, and torch.cuda.is_available() is False here")
@@ -107,7 +110,8 @@ class CudaBackend(VMMBackend):
     def reserve(self, nbytes: int) -> int:
         return int(self._check(self._driver.cuMemAddressReserve(nbytes, self.granularity, 0, 0), "cuMemAddressReserve"))
 
-    def free_reservation(self, addr: int, nbytes: int) -> None:
+    def free_reservation(self, addr: int, nbytes: int, mapped: Sequence[int] = ()) -> None:
+        self.unmap(mapped)
         self._check(self._driver.cuMemAddressFree(addr, nbytes), "cuMemAddressFree")
 
     def create_pages(self, count: int) -> list[int]:
@@ -135,22 +139,27 @@ class CudaBackend(VMMBackend):
     def map(self, addrs: Sequence[int], pages: Sequence[int]) -> None:
         done, err = self.calls.map_pages(addrs, pages, self.page_size)
         if done < len(addrs):
-            self.unmap(addrs[:done])
-            raise CudaError(self._driver, f"mapping page {done} of {len(addrs)}", err)
+            undone, _ = self.calls.unmap_pages(addrs[:done], self.page_size)
+            message = str(CudaError(self._driver, f"mapping page {done} of {len(addrs)}", err))
+            raise MapError(0, message, addrs[undone:done])
 
     def unmap(self, addrs: Sequence[int]) -> None:
         done, err = self.calls.unmap_pages(addrs, self.page_size)
         if done < len(addrs):
             raise CudaError(self._driver, f"unmapping page {done} of {len(addrs)}", err)
 
-    def tensor(self, addr: int, nbytes: int) -> torch.Tensor:
+    def tensor(
+        self, addr: int, nbytes: int, owner: object = None, mapped: bool = False, dtype: torch.dtype = torch.uint8
+    ) -> torch.Tensor:
         # torch asks the driver which device owns a pointer (cudaPointerGetAttributes), and
-        # the driver answers only for mapped memory: a probe page sits at `addr` meanwhile.
+        # the driver answers only for mapped memory: unless `mapped`, a probe page sits at `addr` meanwhile.
+        if mapped:
+            return torch.as_tensor(_DeviceArray(addr, nbytes, owner), device=self.device).view(dtype)
         if self._probe_page is None:
             (self._probe_page,) = self.create_pages(1)
         self.map([addr], [self._probe_page])
         try:
-            return torch.as_tensor(_DeviceArray(addr, nbytes), device=self.device)
+            return torch.as_tensor(_DeviceArray(addr, nbytes, owner), device=self.device).view(dtype)
         finally:
             self.unmap([addr])
 
@@ -160,7 +169,7 @@ class CudaBackend(VMMBackend):
         return self._live_pages
 
     def close(self) -> None:
-        if self._closed:
+        if self._closed or self.forked:  # a forked child cannot call the parent's CUDA context
             return
         self._closed = True
         if self._probe_page is not None:

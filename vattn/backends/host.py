@@ -3,19 +3,21 @@
 reserve = mmap(PROT_NONE, MAP_NORESERVE); physical pages = ranges of one memfd;
 map = mmap(MAP_SHARED | MAP_FIXED) of a memfd range over the reservation;
 unmap = the reservation's own mapping put back (same flags, so the kernel merges it);
-release = fallocate(PUNCH_HOLE).
+release = fallocate(PUNCH_HOLE). After fork() the child's copy of each reservation is
+replaced by private zero pages, so nothing the child writes reaches the parent's pages.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from vattn.backends.base import VMMBackend
+from vattn.backends.base import MapError, VMMBackend
 from vattn.backends.host_calls import (
     LIBC,
     MAP_ANONYMOUS,
@@ -23,6 +25,7 @@ from vattn.backends.host_calls import (
     MAP_NORESERVE,
     MAP_PRIVATE,
     PROT_NONE,
+    PROT_READ_WRITE,
     HostCalls,
     check_mmap,
     select_host_calls,
@@ -44,41 +47,70 @@ def current_map_count() -> int:
         return sum(1 for _ in maps)
 
 
+class MapCountBudget:
+    """The memory mappings promised to this process's host caches, so that together, not
+    just each alone, they stay under vm.max_map_count however their pages end up mapped."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.promised = 0
+
+    def claim(self, count: int, what: str) -> None:
+        with self._lock:
+            limit, used = max_map_count(), current_map_count()
+            if used + self.promised + count + MAP_COUNT_HEADROOM > limit:
+                raise ValueError(
+                    f"{what} could need {count} memory mappings, but vm.max_map_count is {limit}, the "
+                    f"process uses {used} and its other caches may need {self.promised} more: use a "
+                    "larger page_size or a smaller memory_budget (or raise vm.max_map_count)"
+                )
+            self.promised += count
+
+    def give_back(self, count: int) -> None:
+        with self._lock:
+            self.promised -= count
+
+
+MAP_COUNT_BUDGET = MapCountBudget()
+os.register_at_fork(after_in_child=MAP_COUNT_BUDGET.__init__)  # a child's caches are not its own
+
+
 class HostBackend(VMMBackend):
     """Pages from one memfd, mapped into PROT_NONE reservations of this process."""
 
     name = "host"
 
     def __init__(self, page_size: int, max_pages: int, reservations: int, native: bool | None) -> None:
+        super().__init__()
         granularity = os.sysconf("SC_PAGE_SIZE")
         if page_size % granularity:
             raise ValueError(f"page_size {page_size} must be a multiple of the OS page size {granularity}")
-        self._check_map_count(max_pages, reservations)
         self.page_size = page_size
         self.calls: HostCalls = select_host_calls(native)
-        self._fd = os.memfd_create("vattn-kv-pool", os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, max_pages * page_size)
-        self._max_pages = max_pages
-        self._next_page = 0
-
-    @staticmethod
-    def _check_map_count(max_pages: int, reservations: int) -> None:
         # Worst case: every page mapped apart from its neighbours' pool offsets, each
         # one a mapping of its own plus the bare reservation gap that follows it.
         worst = reservations + 2 * max_pages
-        limit, used = max_map_count(), current_map_count()
-        if used + worst + MAP_COUNT_HEADROOM > limit:
-            raise ValueError(
-                f"this cache could need {worst} memory mappings ({max_pages} pages, "
-                f"{reservations} reservations) but vm.max_map_count is {limit} and the "
-                f"process already uses {used}: use a larger page_size or a smaller "
-                "memory_budget (or raise vm.max_map_count)"
-            )
+        MAP_COUNT_BUDGET.claim(worst, f"this cache ({max_pages} pages, {reservations} reservations)")
+        self._claimed = worst
+        self._reservations: dict[int, int] = {}
+        self._max_pages = max_pages
+        self._next_page = 0
+        self._fd = -1
+        try:
+            self._fd = os.memfd_create("vattn-kv-pool", os.MFD_CLOEXEC)
+            os.ftruncate(self._fd, max_pages * page_size)
+        except BaseException:
+            self.close()
+            raise
 
     def reserve(self, nbytes: int) -> int:
-        return check_mmap(LIBC.mmap(None, nbytes, PROT_NONE, RESERVATION_FLAGS, -1, 0), "reserve")
+        addr = check_mmap(LIBC.mmap(None, nbytes, PROT_NONE, RESERVATION_FLAGS, -1, 0), "reserve")
+        self._reservations[addr] = nbytes
+        return addr
 
-    def free_reservation(self, addr: int, nbytes: int) -> None:
+    def free_reservation(self, addr: int, nbytes: int, mapped: Sequence[int] = ()) -> None:
+        """munmap of the whole range takes the pages mapped in it along (and needs no new mapping)."""
+        self._reservations.pop(addr, None)
         if LIBC.munmap(addr, nbytes) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"munmap reservation: {os.strerror(err)}")
@@ -101,8 +133,8 @@ class HostBackend(VMMBackend):
         offsets = [page * self.page_size for page in pages]
         done, err = self.calls.map_pages(self._fd, addrs, offsets, self.page_size)
         if done < len(addrs):
-            self.unmap(addrs[:done])
-            raise OSError(err, f"mapping page {done} of {len(addrs)}: {os.strerror(err)}")
+            undone, _ = self.calls.unmap_pages(addrs[:done], self.page_size, RESERVATION_FLAGS | MAP_FIXED)
+            raise MapError(err, f"mapping page {done} of {len(addrs)}: {os.strerror(err)}", addrs[undone:done])
 
     def unmap(self, addrs: Sequence[int]) -> None:
         done, err = self.calls.unmap_pages(addrs, self.page_size, RESERVATION_FLAGS | MAP_FIXED)
@@ -112,14 +144,28 @@ class HostBackend(VMMBackend):
     def populate(self, addrs: Sequence[int]) -> int:
         return self.calls.populate_pages(addrs, self.page_size)[0]
 
-    def tensor(self, addr: int, nbytes: int) -> torch.Tensor:
-        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+    def tensor(
+        self, addr: int, nbytes: int, owner: object = None, mapped: bool = False, dtype: torch.dtype = torch.uint8
+    ) -> torch.Tensor:
+        array = (ctypes.c_uint8 * nbytes).from_address(addr)
+        array.owner = owner  # type: ignore[attr-defined]  # the storage holds the array, the array its owner
+        return torch.frombuffer(array, dtype=dtype)
 
     def pool_fd(self) -> int:
         """The memfd holding every physical page (page p at offset p * page_size)."""
         return self._fd
 
+    def after_fork_in_child(self) -> None:
+        super().after_fork_in_child()
+        for addr, nbytes in self._reservations.items():
+            check_mmap(LIBC.mmap(addr, nbytes, PROT_READ_WRITE, RESERVATION_FLAGS | MAP_FIXED, -1, 0), "detach")
+        self._claimed = 0  # the child's budget starts empty
+        self.close()  # this process's copy of the pool's fd; the parent keeps its own
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._claimed:
+            MAP_COUNT_BUDGET.give_back(self._claimed)
+            self._claimed = 0
