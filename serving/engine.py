@@ -24,6 +24,7 @@ from serving.request import Request, TokenLogprob, generation_room, prompt_token
 from serving.sampler import sample
 from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler
+from serving.stop_strings import find_stop, held_back
 from vattn import CacheStats
 
 
@@ -175,8 +176,8 @@ class LLMEngine:
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             self._finish(request, "stop")
             return
-        request.detokenizer.add(token)
-        cut = _stop_index(request.text, params.stop)
+        new_text = request.detokenizer.add(token)
+        cut = find_stop(request.text, len(new_text), params.stop)
         if cut is not None:
             request.detokenizer.truncate(cut)
             self._finish(request, "stop")
@@ -191,29 +192,14 @@ class LLMEngine:
     def _delta(self, request: Request) -> StreamDelta | None:
         """What `request` produced since its last delta; text that may begin a stop string waits."""
         text = request.text
-        if not request.finished:
-            text = text[: len(text) - _held_back(text, request.params.stop)]
-        new_text, new_ids = text[request.emitted_chars :], request.output_ids[request.emitted_tokens :]
+        end = len(text) if request.finished else len(text) - held_back(text, request.params.stop)
+        new_text, new_ids = text[request.emitted_chars : end], request.output_ids[request.emitted_tokens :]
         if not new_text and not new_ids and not (request.finished and not request.finish_reported):
             return None
         logprobs = request.logprobs[request.emitted_tokens :] if request.params.logprobs is not None else None
-        request.emitted_chars, request.emitted_tokens = len(text), len(request.output_ids)
+        request.emitted_chars, request.emitted_tokens = end, len(request.output_ids)
         request.finish_reported = request.finished
         return StreamDelta(request.request_id, new_text, new_ids, logprobs, request.finish_reason)
 
     def close(self) -> None:
         self.kv.close()
-
-
-def _stop_index(text: str, stops: tuple[str, ...]) -> int | None:
-    """Where the earliest stop string starts in `text`, or None."""
-    found = [i for stop in stops if (i := text.find(stop)) >= 0]
-    return min(found) if found else None
-
-
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that could still grow into a stop string."""
-    return max(
-        (n for stop in stops for n in range(min(len(stop) - 1, len(text)), 0, -1) if stop.startswith(text[-n:])),
-        default=0,
-    )

@@ -10,6 +10,10 @@ from vattn.config import is_int
 
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 4
+"""As OpenAI allows: the engine looks for each after every token."""
+MAX_STOP_LENGTH = 256
+"""Characters per stop string: the text searched after each token, and held back from streams, grows with it."""
 
 
 def _is_number(value: object) -> bool:
@@ -47,6 +51,10 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, tuple | list) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        if any(len(s) > MAX_STOP_LENGTH for s in stop):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_LENGTH} characters long")
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
         if not isinstance(ids, tuple | list) or not all(is_int(t) and t >= 0 for t in ids):

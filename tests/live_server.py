@@ -15,6 +15,7 @@ from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.server.app import build_app
 from serving.server.async_engine import AsyncEngine
+from serving.server.connections import uvicorn_options
 from serving.server.settings import ServerSettings
 from vattn.sizes import MiB
 
@@ -53,9 +54,9 @@ def live_server(wait_ready: bool = True, **overrides: Any) -> Iterator[LiveServe
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    settings = ServerSettings(engine_config=engine_config, port=port, **overrides)
+    settings = ServerSettings(engine_config=engine_config, port=port, **{"shutdown_timeout": 5, **overrides})
     app = build_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **uvicorn_options(settings)))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

@@ -20,7 +20,10 @@ VATTN = Path(sys.executable).parent / "vattn"
 
 def test_help_lists_every_option() -> None:
     result = subprocess.run([str(VATTN), "serve", "--help"], capture_output=True, text=True, timeout=60, check=True)
-    for option in ("--model", "--dtype", "--host", "--port", "--page-size", "--max-slots", "--kv-budget", "--api-key"):
+    for option in (
+        *("--model", "--dtype", "--host", "--port", "--page-size", "--max-slots", "--kv-budget", "--api-key"),
+        *("--api-key-file", "--allowed-hosts", "--header-timeout", "--body-timeout", "--shutdown-timeout"),
+    ):
         assert option in result.stdout, option
 
 
@@ -37,7 +40,18 @@ def test_sizes_and_defaults() -> None:
     assert args.host == "127.0.0.1" and args.port == 8000 and args.api_key is None
 
 
-@pytest.mark.parametrize("argv", [["serve", "--kv-budget", "lots"], ["serve", "--max-slots", "0"], ["serve", "-x"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--kv-budget", "lots"],
+        ["serve", "--max-slots", "0"],
+        ["serve", "-x"],
+        ["serve", "--body-timeout", "0"],
+        ["serve", "--header-timeout", "inf"],
+        ["serve", "--allowed-hosts", "api*.example"],
+        ["serve", "--allowed-hosts", ","],
+    ],
+)
 def test_bad_arguments_exit_with_a_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         parser().parse_args(argv)

@@ -1,4 +1,4 @@
-"""The FastAPI app: the engine thread's lifetime, API-key checks, routes and limits."""
+"""The FastAPI app: the engine thread's lifetime, API-key and Host checks, routes and limits."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from serving.server.async_engine import AsyncEngine
 from serving.server.body_limit import BodyLimit
 from serving.server.errors import APIError, add_error_handlers
 from serving.server.metrics import ServerMetrics
-from serving.server.routes import public_routes, v1_routes
+from serving.server.routes import docs_routes, public_routes, v1_routes
 from serving.server.settings import ServerSettings
 from vattn.sizes import KiB, MiB
 
@@ -41,12 +42,16 @@ def build_app(settings: ServerSettings) -> FastAPI:
         announce.cancel()
         await asyncio.to_thread(engine.stop)
 
-    app = FastAPI(title="vattn", version="0.1.0", lifespan=lifespan)
+    # the docs are served by docs_routes, behind the API key
+    app = FastAPI(title="vattn", version="0.1.0", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.engine = engine
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.trusted_hosts)  # outermost: checked first
     add_error_handlers(app)
     app.include_router(public_routes(engine, metrics))
-    app.include_router(v1_routes(engine, model_name), dependencies=[Depends(_authorizer(settings.api_key))])
+    authorized = [Depends(_authorizer(settings.api_key))]
+    app.include_router(v1_routes(engine, model_name), dependencies=authorized)
+    app.include_router(docs_routes(app), dependencies=authorized)
     return app
 
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import fields
 
 from serving.config import EngineConfig
-from serving.server.settings import ServerSettings
+from serving.server.settings import LOOPBACK_HOSTS, ServerSettings
 from vattn.backends import BACKENDS
 from vattn.config import DTYPES
 from vattn.kernels import KERNELS
 from vattn.sizes import parse_size
+
+log = logging.getLogger("vattn.serve")
 
 
 def size(text: str) -> int:
@@ -29,6 +32,33 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def host_names(text: str) -> tuple[str, ...]:
+    """'a.example, *.b.example, [::1]' -> ('a.example', '*.b.example', '[::1]'); '*' is any host."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names or any(name != "*" and "*" in name.removeprefix("*.") for name in names):
+        raise argparse.ArgumentTypeError(f"expected names like 'a.example', '*.a.example' or '*', got {text!r}")
+    return names
+
+
+def key_file(path: str) -> str:
+    """The API key in a file (its trailing newline dropped)."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            key = file.read().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as error:
+        raise argparse.ArgumentTypeError(f"cannot read the API key: {error}") from error
+    if not key:
+        raise argparse.ArgumentTypeError(f"{path} is empty")
+    return key
 
 
 def parser() -> argparse.ArgumentParser:
@@ -61,9 +91,36 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=server.max_queue, help="requests that may wait; more get 429")
     serve.add_argument("--max-body-size", type=size, default=server.max_body_bytes, help="largest request body")
     serve.add_argument(
-        "--api-key",
-        help="require 'Authorization: Bearer <key>' on /v1/*; read from $VATTN_API_KEY when unset",
+        "--header-timeout",
+        type=seconds,
+        default=server.header_timeout,
+        help="seconds a connection has to send a request's headers; then it is closed",
     )
+    serve.add_argument(
+        "--body-timeout",
+        type=seconds,
+        default=server.body_timeout,
+        help="seconds a request has to send its body; then 408",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=positive,
+        default=server.shutdown_timeout,
+        help="seconds requests in progress get to finish on SIGTERM",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        type=host_names,
+        help="Host headers to accept, comma-separated ('*': any); None: "
+        f"{','.join(LOOPBACK_HOSTS)} on a loopback --host, else any",
+    )
+    key = serve.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer <key>' on all but /health and /metrics; read from $VATTN_API_KEY "
+        "when unset (which, unlike this option, `ps` does not show)",
+    )
+    key.add_argument("--api-key-file", type=key_file, metavar="PATH", help="read the API key from this file")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return root
 
@@ -71,22 +128,30 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.api_key:
+        log.warning("--api-key shows in `ps` to every user of this machine: use $VATTN_API_KEY or --api-key-file")
     import uvicorn
 
     from serving.server.app import build_app
+    from serving.server.connections import uvicorn_options
 
     settings = ServerSettings(
         engine_config=EngineConfig(
             **{f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
         ),
         model_name=args.served_model_name,
-        api_key=args.api_key or os.environ.get("VATTN_API_KEY"),  # not a default: --help would print it
+        # $VATTN_API_KEY is not a default: --help would print it
+        api_key=args.api_key or args.api_key_file or os.environ.get("VATTN_API_KEY"),
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_size,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+        allowed_hosts=args.allowed_hosts,
         host=args.host,
         port=args.port,
     )
-    uvicorn.run(build_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(build_app(settings), log_level=args.log_level, **uvicorn_options(settings))
 
 
 if __name__ == "__main__":

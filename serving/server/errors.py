@@ -59,13 +59,14 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
-        where = [str(part) for part in first.get("loc", ()) if part != "body"]
+        context = first.get("ctx", {})
         if first.get("type") == "json_invalid":
-            message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+            message = f"the body is not valid JSON: {context.get('error', first.get('msg'))}"
             return error_response(400, message, "invalid_request_error")
-        if not where:
+        # a check of the whole body names the field in its context
+        param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or context.get("param")
+        if not param:
             return error_response(400, "the body must be a JSON object (application/json)", "invalid_request_error")
-        param = ".".join(where)
         return error_response(400, f"{param}: {first.get('msg')}", "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)

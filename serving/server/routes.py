@@ -6,8 +6,9 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
@@ -36,6 +37,25 @@ def public_routes(engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
     @router.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def docs_routes(app: FastAPI) -> APIRouter:
+    """/openapi.json, /docs and /redoc as FastAPI serves them, but as routes that take dependencies."""
+    router = APIRouter(include_in_schema=False)
+
+    @router.get("/openapi.json")
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @router.get("/docs")
+    async def swagger() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI")
+
+    @router.get("/redoc")
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
 
     return router
 

@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from serving.config import EngineConfig
 from vattn.sizes import MiB
 
+LOOPBACK_ADDRESSES = frozenset({"127.0.0.1", "localhost", "::1"})
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+"""Host headers a server bound to a loopback address accepts by default (with any port): a web
+page using DNS rebinding (`evil.example` resolving to 127.0.0.1) sends its own name and is refused."""
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -14,13 +19,27 @@ class ServerSettings:
     model_name: str | None = None
     """The name clients send as `model`; by default the model folder's (or file's) name."""
     api_key: str | None = None
-    """When set, /v1/* requires `Authorization: Bearer <api_key>`."""
+    """When set, every route but /health and /metrics (probes, scrapers: open as in vLLM) needs `Bearer <api_key>`."""
     max_queue: int = 256
     """Requests that may wait for a slot; beyond it new ones get 429 with Retry-After."""
     max_body_bytes: int = MiB
+    header_timeout: float = 10.0
+    """Seconds a connection has to send a request's headers (from connecting or the last response); then it closes."""
+    body_timeout: float = 30.0
+    """Seconds a request has to send its body once its headers are in; then 408."""
+    shutdown_timeout: int = 30
+    """Seconds requests in progress get to finish after SIGTERM; then they are cancelled."""
+    allowed_hosts: tuple[str, ...] | None = None
+    """Host headers accepted (`*`: any); None: LOOPBACK_HOSTS when bound to a loopback address, else any."""
     host: str = "127.0.0.1"
     port: int = 8000
 
     @property
     def max_pending(self) -> int:
         return self.engine_config.max_slots + self.max_queue
+
+    @property
+    def trusted_hosts(self) -> tuple[str, ...]:
+        if self.allowed_hosts is not None:
+            return self.allowed_hosts
+        return LOOPBACK_HOSTS if self.host in LOOPBACK_ADDRESSES else ("*",)
