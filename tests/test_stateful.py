@@ -1,6 +1,13 @@
-"""Random alloc / step / free sequences with the background thread running, invariants after each."""
+"""Random alloc / step / free sequences with the background thread running, invariants after each.
+
+Kept views, close() and fork() interleave with them: a view always reads what its own
+request wrote, whatever happened to the request, the cache or a forked child since.
+"""
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -21,6 +28,28 @@ MAX_SLOTS, LAYERS = 6, 3
 operations = 0
 
 
+@dataclass
+class Generation:
+    """One request's tokens; frozen when it is freed (or its cache closed)."""
+
+    tokens: torch.Tensor
+
+
+@dataclass
+class KeptView:
+    cache: KVCache
+    reqid: int
+    generation: Generation
+    layer: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    written: torch.Tensor = field(init=False)
+    """What the request had written at each position when the view was taken."""
+
+    def __post_init__(self) -> None:
+        self.written = self.generation.tokens[: len(self.keys)].clone()
+
+
 class CacheMachine(RuleBasedStateMachine):
     """The model: each live request's length and the token values written to it.
 
@@ -32,7 +61,9 @@ class CacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.cache: KVCache | None = None
-        self.tokens: dict[int, torch.Tensor] = {}
+        self.config: KVCacheConfig | None = None
+        self.generations: dict[int, Generation] = {}
+        self.views: list[KeptView] = []
 
     @initialize(layout=st.sampled_from(["per_layer", "mega"]), native=st.booleans(), budget_steps=st.integers(8, 40))
     def open_cache(self, layout: str, native: bool, budget_steps: int) -> None:
@@ -50,6 +81,7 @@ class CacheMachine(RuleBasedStateMachine):
             reclaim_watermark=0.1,
             memory_budget=budget_steps * (2 * LAYERS if layout == "per_layer" else 2) * self.page_size,
         )
+        self.config = config
         self.cache = KVCache(config)
 
     def teardown(self) -> None:
@@ -57,22 +89,37 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.close()
 
     @property
+    def tokens(self) -> dict[int, torch.Tensor]:
+        return {reqid: generation.tokens for reqid, generation in self.generations.items()}
+
+    @property
     def live(self) -> list[int]:
-        return sorted(self.tokens)
+        return sorted(self.generations)
+
+    @property
+    def held_by_views(self) -> set[int]:
+        """Freed slots of this cache that kept views still reach: not to be handed out (an empty
+        view reaches no memory)."""
+        return {
+            v.reqid
+            for v in self.views
+            if v.cache is self.cache and len(v.keys) and self.generations.get(v.reqid) is not v.generation
+        }
 
     @rule()
     def alloc(self) -> None:
         global operations
         operations += 1
-        if len(self.tokens) == MAX_SLOTS:
+        held = self.held_by_views
+        if len(self.tokens) + len(held) == MAX_SLOTS:
             try:
                 self.cache.alloc_reqid()
-                raise AssertionError("alloc_reqid succeeded with every slot in use")
+                raise AssertionError("alloc_reqid succeeded with every slot in use or held by a view")
             except OutOfSlotsError:
                 return
         reqid = self.cache.alloc_reqid()
-        assert reqid not in self.tokens
-        self.tokens[reqid] = torch.empty(0, device=self.cache.device)
+        assert reqid not in self.tokens and reqid not in held
+        self.generations[reqid] = Generation(torch.empty(0, device=self.cache.device))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -81,7 +128,7 @@ class CacheMachine(RuleBasedStateMachine):
         operations += 1
         reqid = data.draw(st.sampled_from(self.live))
         self.cache.free_reqid(reqid)
-        del self.tokens[reqid]
+        del self.generations[reqid]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -101,11 +148,54 @@ class CacheMachine(RuleBasedStateMachine):
         for reqid, length in lengths.items():
             old = self.tokens[reqid][:length]
             new = torch.rand(length - len(old), device=self.cache.device) + reqid
-            self.tokens[reqid] = torch.cat([old, new])
+            self.generations[reqid].tokens = torch.cat([old, new])
             for layer in range(LAYERS):
                 keys, values = self.cache.kv(layer, reqid)
                 keys[len(old) :] = new[:, None, None] + layer
                 values[len(old) :] = -new[:, None, None] - layer
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def keep_view(self, data: st.DataObject) -> None:
+        """A caller keeps a request's views past anything that follows."""
+        reqid = data.draw(st.sampled_from(self.live))
+        layer = data.draw(st.integers(0, LAYERS - 1))
+        keys, values = self.cache.kv(layer, reqid)
+        self.views.append(KeptView(self.cache, reqid, self.generations[reqid], layer, keys, values))
+
+    @precondition(lambda self: self.views)
+    @rule(data=st.data())
+    def drop_view(self, data: st.DataObject) -> None:
+        self.views.pop(data.draw(st.integers(0, len(self.views) - 1)))
+
+    @rule()
+    def close_and_reopen(self) -> None:
+        """close() with views alive, then a new cache of the same config (same address space size)."""
+        global operations
+        operations += 1
+        self.cache.close()
+        self.generations.clear()
+        self.cache = KVCache(self.config)
+
+    @precondition(lambda self: self.backend == "host")
+    @rule()
+    def fork(self) -> None:
+        """A forked child writes through every kept view and cannot use the cache."""
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                for view in self.views:
+                    view.keys.fill_(-1.0)
+                    view.values.fill_(-1.0)
+                try:
+                    self.cache.alloc_reqid()
+                except RuntimeError:
+                    code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
 
     @rule()
     def compute(self) -> None:
@@ -139,6 +229,17 @@ class CacheMachine(RuleBasedStateMachine):
                 keys, values = cache.kv(layer, reqid)
                 assert torch.equal(keys, (tokens + layer)[:, None, None].expand_as(keys))
                 assert torch.equal(values, (-tokens - layer)[:, None, None].expand_as(values))
+
+    @invariant()
+    def kept_views_read_only_their_own_requests_writes(self) -> None:
+        """Positions the request has not rewritten since (it may shrink and regrow) read what it
+        wrote; every other kept position still holds one of its own writes."""
+        for view in self.views:
+            now = view.generation.tokens
+            same = min(len(view.keys), len(now))
+            expected = torch.cat([now[:same], view.written[same:]])
+            assert torch.equal(view.keys, (expected + view.layer)[:, None, None].expand_as(view.keys))
+            assert torch.equal(view.values, (-expected - view.layer)[:, None, None].expand_as(view.values))
 
 
 def run_machine(machine: type[CacheMachine], examples: int, steps: int, min_operations: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 import weakref
@@ -68,6 +69,7 @@ class KVCache:
         self._closed = False
         self._mapper = BackgroundMapper(weakref.WeakMethod(self._work_ahead)) if config.background else None
         self._stop_mapper = weakref.finalize(self, self._mapper.close) if self._mapper else None
+        _LIVE_CACHES.add(self)
         self._wake_mapper()
 
     # ---------------------------------------------------------------- requests
@@ -402,6 +404,12 @@ class KVCache:
             self._unmap_tail(plan)
         return bool(plan)
 
+    def _after_fork_in_child(self) -> None:
+        """The parent's threads are gone from this copy, and locks they held would stay held."""
+        self._lock = threading.Lock()
+        if self._mapper:
+            self._mapper.after_fork_in_child()
+
     def _wake_mapper(self) -> None:
         if self._mapper:
             self._mapper.wake()
@@ -442,3 +450,14 @@ class KVCache:
         if nxt and len(nxt.pages) < eager and self._pool.num_free - width >= floor:
             return self._map([(nxt, 1)], Origin.BACKGROUND)
         return None
+
+
+_LIVE_CACHES: weakref.WeakSet[KVCache] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for cache in list(_LIVE_CACHES):
+        cache._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

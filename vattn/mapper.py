@@ -47,6 +47,11 @@ class BackgroundMapper:
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
+    def after_fork_in_child(self) -> None:
+        """A forked child has no mapper thread: a fresh condition (the old one's lock may be held)."""
+        self._wake = threading.Condition()
+        self._stopping = True
+
     def _run(self) -> None:
         while True:
             with self._wake:
