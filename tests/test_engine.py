@@ -79,6 +79,7 @@ def test_preemption_keeps_outputs_and_returns_every_page(hf_greedy: list[list[in
         assert run_staggered(small, PROMPTS, GREEDY) == hf_greedy
         assert small.engine.stats().preemptions > 0
         cache = small.engine.kv.cache
+        assert cache.stats().pinned_slots == 0  # every iteration dropped its attention batch
         assert cache.num_free_slots() == ENGINE["max_slots"] and cache.stats().active_bytes == 0
         cache.wait_for_background()
         cache.release_idle()
