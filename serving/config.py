@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serving.linear import QUANTIZATIONS
 from vattn.config import DTYPES, require_positive_int
 from vattn.sizes import KiB, MiB
 
@@ -25,7 +26,10 @@ class EngineConfig:
     """Physical bytes the KV cache may map."""
     page_size: int = 64 * KiB
     backend: str = "host"
-    kernel: str = "sdpa"
+    kernel: str = "auto"
+    """Attention kernel (vattn.kernels.KERNELS); `auto` is `ragged` on the host, `sdpa` on CUDA."""
+    quantization: str = "none"
+    """Weights: `none` (as `dtype`) or `int8` (serving.linear)."""
     seed: int = 0
     """Random stream of requests that give no seed of their own."""
 
@@ -33,6 +37,8 @@ class EngineConfig:
         require_positive_int("max_batched_tokens", self.max_batched_tokens)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -48,7 +48,7 @@ class LLMEngine:
         self._vocab_size = shape.vocab_size
         self.kv: KVStore = VirtualKVStore(config, shape, self.max_context)
         """Slots and pages; callers read it through `stats()`, tests inspect the allocator behind it."""
-        self._runner = ModelRunner(model, shape, self.kv.attend)
+        self._runner = ModelRunner(model, shape, self.kv.attend, config.quantization)
         self._scheduler = Scheduler(self.kv, config.max_batched_tokens)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -66,7 +66,8 @@ class VirtualKVStore:
             )
         self.cache = KVCache(cache_config)
         self.device = self.cache.device
-        self._kernel = make_kernel(config.kernel, self.cache, shape.num_query_heads)
+        kernel = config.kernel if config.kernel != "auto" else "ragged" if config.backend == "host" else "sdpa"
+        self._kernel = make_kernel(kernel, self.cache, shape.num_query_heads)
 
     def admit(self, num_tokens: int) -> int | None:
         return self.cache.alloc_reqid() if self.cache.can_admit(num_tokens) else None

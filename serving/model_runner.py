@@ -1,9 +1,10 @@
 """A Llama-family forward pass over packed ragged tokens, with its KV in the vattn cache.
 
-The weights and layers are transformers' own modules (Llama, Mistral, Qwen2, SmolLM share
-this shape); only attention changes: each layer's new K/V go straight into the request
-slots through the KV store's attention, which attends over views of its tensors. No HF
-cache object, no concatenation or copy of past KV.
+The weights are transformers' own (Llama, Mistral, Qwen2, SmolLM share this shape), with
+the projections that read one input fused (QKV, gate/up) and optionally int8. Each
+layer's new K/V go straight into the request slots through the KV store's attention,
+which attends over the cache's tensors. No HF cache object, no concatenation or copy of
+past KV.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from serving.linear import Linear, fused
 from vattn.kernels import AttentionBatch
 
 Attend = Callable[[int, AttentionBatch, Tensor, Tensor, Tensor], Tensor]
@@ -66,13 +69,50 @@ def model_shape(model: Any) -> ModelShape:
     )
 
 
-class ModelRunner:
-    """Runs one iteration's tokens (prefill chunks and decodes together) through the model."""
+@dataclass(frozen=True)
+class DecoderLayer:
+    """One decoder layer's weights, projections that share an input fused."""
 
-    def __init__(self, model: Any, shape: ModelShape, attend: Attend) -> None:
+    input_norm: torch.nn.Module
+    qkv: Linear
+    o: Linear
+    post_attention_norm: torch.nn.Module
+    gate_up: Linear
+    down: Linear
+
+
+def decoder_layers(model: Any, quantization: str) -> list[DecoderLayer]:
+    """The model's layers with fused QKV and gate/up projections, quantized as asked."""
+    layers = []
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        layers.append(
+            DecoderLayer(
+                input_norm=layer.input_layernorm,
+                qkv=fused([attention.q_proj, attention.k_proj, attention.v_proj], quantization),
+                o=fused([attention.o_proj], quantization),
+                post_attention_norm=layer.post_attention_layernorm,
+                gate_up=fused([mlp.gate_proj, mlp.up_proj], quantization),
+                down=fused([mlp.down_proj], quantization),
+            )
+        )
+    return layers
+
+
+class ModelRunner:
+    """Runs one iteration's tokens (prefill chunks and decodes together) through the model.
+
+    The model's own modules serve the embedding, norms and rotary embedding; its projections
+    are replaced by fused (and optionally int8) ones, and the originals are dropped.
+    """
+
+    def __init__(self, model: Any, shape: ModelShape, attend: Attend, quantization: str = "none") -> None:
         self._shape = shape
-        self._model = model
-        self._body = model.model
+        self._body = body = model.model
+        self._layers = decoder_layers(model, quantization)
+        self._activation = ACT2FN[model.config.hidden_act]
+        self._lm_head = fused([model.lm_head], quantization)
+        body.layers = torch.nn.ModuleList()  # the fused copies replace them
         self._attend = attend
 
     @torch.inference_mode()
@@ -83,18 +123,20 @@ class ModelRunner:
         cos, sin = body.rotary_emb(hidden, batch.token_positions[None])
         cos, sin = cos[0], sin[0]
         tokens = input_ids.shape[0]
-        for index, layer in enumerate(body.layers):
-            attention = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attention.q_proj(x).view(tokens, shape.num_query_heads, shape.head_dim)
-            k = attention.k_proj(x).view(tokens, shape.num_kv_heads, shape.head_dim)
-            v = attention.v_proj(x).view(tokens, shape.num_kv_heads, shape.head_dim)
+        q_width = shape.num_query_heads * shape.head_dim
+        kv_width = shape.num_kv_heads * shape.head_dim
+        for index, layer in enumerate(self._layers):
+            q, k, v = layer.qkv(layer.input_norm(hidden)).split([q_width, kv_width, kv_width], dim=-1)
+            q = q.view(tokens, shape.num_query_heads, shape.head_dim)
+            k = k.view(tokens, shape.num_kv_heads, shape.head_dim)
+            v = v.view(tokens, shape.num_kv_heads, shape.head_dim)
             q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
             attended = self._attend(index, batch, q, k, v)
-            hidden = hidden + attention.o_proj(attended.reshape(tokens, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + layer.o(attended.reshape(tokens, -1))
+            gate, up = layer.gate_up(layer.post_attention_norm(hidden)).chunk(2, dim=-1)
+            hidden = hidden + layer.down(self._activation(gate) * up)
         return body.norm(hidden)
 
     @torch.inference_mode()
     def logits(self, hidden: Tensor) -> Tensor:
-        return self._model.lm_head(hidden).float()
+        return self._lm_head(hidden).float()

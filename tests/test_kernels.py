@@ -1,4 +1,5 @@
-"""Attention kernels on the virtual tensors: SDPA here, the GPU kernels' clean refusal without a GPU."""
+"""Attention kernels on the virtual tensors: SDPA and the ragged CPU kernel here, the GPU
+kernels' clean refusal without a GPU."""
 
 from __future__ import annotations
 
@@ -14,16 +15,22 @@ from vattn.backends.native import load_native, native_available
 from vattn.kernels import KERNELS, make_kernel
 
 MakeCache = Callable[..., KVCache]
-GPU_KERNELS = [name for name in KERNELS if name != "sdpa"]
+CPU_KERNELS = ["sdpa", "ragged"]
+GPU_KERNELS = [name for name in KERNELS if name not in CPU_KERNELS]
 
 
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("layout", ["per_layer", "mega"])
-def test_sdpa_kernel_matches_reference_through_chunked_prefill_and_decode(make_cache: MakeCache, layout: str) -> None:
-    check_kernel("sdpa", make_cache(layout=layout), query_heads=8, tolerance=1e-5)
+def test_cpu_kernels_match_reference_through_chunked_prefill_and_decode(
+    make_cache: MakeCache, kernel: str, layout: str
+) -> None:
+    check_kernel(kernel, make_cache(layout=layout), query_heads=8, tolerance=1e-5)
 
 
-def test_sdpa_kernel_in_half_precision(make_cache: MakeCache) -> None:
-    check_kernel("sdpa", make_cache(dtype="bfloat16"), query_heads=4, tolerance=2e-2)
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cpu_kernels_in_half_precision(make_cache: MakeCache, kernel: str, dtype: str) -> None:
+    check_kernel(kernel, make_cache(dtype=dtype), query_heads=4, tolerance=2e-2)
 
 
 def test_plan_refuses_what_step_did_not_guarantee(make_cache: MakeCache) -> None:
@@ -64,7 +71,7 @@ def test_forward_checks_shapes_dtype_and_device(make_cache: MakeCache) -> None:
 
 def test_kernel_names_and_head_counts(make_cache: MakeCache) -> None:
     cache = make_cache()
-    with pytest.raises(ValueError, match="unknown attention kernel 'nope'; available: sdpa, flash_attn"):
+    with pytest.raises(ValueError, match="unknown attention kernel 'nope'; available: sdpa, ragged, flash_attn"):
         make_kernel("nope", cache, 4)
     with pytest.raises(ValueError, match="positive multiple of num_kv_heads"):
         make_kernel("sdpa", cache, 3)

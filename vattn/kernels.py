@@ -17,6 +17,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -186,6 +187,43 @@ class SdpaKernel(AttentionKernel):
         return out
 
 
+NATIVE_ATTENTION = Path(__file__).with_name("libvattn_attention.so")
+
+
+class RaggedKernel(AttentionKernel):
+    """vattn's own CPU kernel (native/ragged_attention.cpp): one call per layer for the whole
+    batch, decodes and prefill chunks together, each request reading its slot's contiguous
+    K/V only up to its length. Per-request SDPA costs one call (and for chunks a mask) per
+    request per layer, which dominates a decode step at dozens of requests."""
+
+    name = "ragged"
+
+    def __init__(self, cache: KVCache, num_query_heads: int) -> None:
+        super().__init__(cache, num_query_heads)
+        if cache.device.type != "cpu":
+            raise UnavailableError(f"the ragged kernel runs on the CPU; this cache is on {cache.device}")
+        if not hasattr(torch.ops.vattn, "ragged_attention"):
+            if not NATIVE_ATTENTION.is_file():
+                raise UnavailableError(f"the ragged kernel needs {NATIVE_ATTENTION.name}: run `make native`")
+            torch.ops.load_library(NATIVE_ATTENTION)
+        self._attend = torch.ops.vattn.ragged_attention
+
+    def _planned(self, batch: AttentionBatch) -> AttentionBatch:
+        int64 = torch.int64
+        vectors = (
+            torch.tensor(batch.reqids, dtype=int64),
+            torch.tensor(batch.starts, dtype=int64),
+            torch.tensor(batch.lengths, dtype=int64),
+        )
+        return replace(batch, wrapper=vectors)
+
+    def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self._store(kv, batch, k, v)
+        out = torch.empty_like(q)
+        self._attend(out, q, kv[0], kv[1], *batch.wrapper, self.scale)
+        return out
+
+
 def _require_gpu(cache: KVCache, kernel: str) -> None:
     if cache.device.type != "cuda":
         raise UnavailableError(f"the {kernel} kernel runs on a GPU; this cache is on {cache.device} (backend='cuda')")
@@ -323,7 +361,8 @@ class FlashInferPagedKernel(AttentionKernel):
 
 
 KERNELS: dict[str, type[AttentionKernel]] = {
-    kernel.name: kernel for kernel in (SdpaKernel, FlashAttnKernel, FlashInferSingleKernel, FlashInferPagedKernel)
+    kernel.name: kernel
+    for kernel in (SdpaKernel, RaggedKernel, FlashAttnKernel, FlashInferSingleKernel, FlashInferPagedKernel)
 }
 
 

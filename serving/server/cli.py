@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 from serving.config import EngineConfig
+from serving.linear import QUANTIZATIONS
 from serving.server.settings import LOOPBACK_HOSTS, ServerSettings
 from vattn.backends import BACKENDS
 from vattn.config import DTYPES
@@ -87,7 +88,10 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--kv-budget", type=size, default=defaults.kv_budget, help="physical bytes for the KV cache")
     serve.add_argument("--backend", default=defaults.backend, choices=BACKENDS)
-    serve.add_argument("--kernel", default=defaults.kernel, choices=list(KERNELS), help="attention kernel")
+    serve.add_argument("--kernel", default=defaults.kernel, choices=["auto", *KERNELS], help="attention kernel")
+    serve.add_argument(
+        "--quantization", default=defaults.quantization, choices=list(QUANTIZATIONS), help="int8: int8 weights"
+    )
     serve.add_argument("--max-queue", type=int, default=server.max_queue, help="requests that may wait; more get 429")
     serve.add_argument("--max-body-size", type=size, default=server.max_body_bytes, help="largest request body")
     serve.add_argument(
