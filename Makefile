@@ -11,11 +11,11 @@ PIP := $(VENV)/bin/pip
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 NATIVE := vattn/libvattn_native.so
-ATTENTION := vattn/libvattn_attention.so
+OPS := vattn/libvattn_ops.so
 
 .PHONY: setup native model serve test lint bench clean
 
-setup: $(STAMP) $(NATIVE) $(ATTENTION) model
+setup: $(STAMP) $(NATIVE) $(OPS) model
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet -e ".[serving,dev]"
 	touch $@
 
-native: $(NATIVE) $(ATTENTION)
+native: $(NATIVE) $(OPS)
 
 # The default model, converted once into $$VATTN_CACHE_DIR (default ~/.cache/vattn); a no-op after.
 model: $(STAMP)
@@ -32,13 +32,14 @@ model: $(STAMP)
 $(NATIVE): native/vattn_native.c
 	cc -O2 -Wall -Wextra -Werror -shared -fPIC -o $@ $< -ldl -lpthread
 
-# The CPU attention kernel, a torch operator built against the venv's torch for this machine's CPU.
-$(ATTENTION): native/ragged_attention.cpp $(STAMP)
+# vattn's CPU torch operators, built against the venv's torch for this machine's CPU.
+OPS_SOURCES := native/ragged_attention.cpp native/int8_linear.cpp
+$(OPS): $(OPS_SOURCES) $(STAMP)
 	TORCH=$$($(PY) -c "import os, torch; print(os.path.dirname(torch.__file__))"); \
 	c++ -O3 -march=native -ffast-math -fopenmp -std=c++20 -shared -fPIC -Wall -Wextra -Werror \
 		-D_GLIBCXX_USE_CXX11_ABI=$$($(PY) -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))") \
 		-isystem $$TORCH/include -isystem $$TORCH/include/torch/csrc/api/include \
-		-o $@ $< -L$$TORCH/lib -ltorch_cpu -lc10 -Wl,-rpath,$$TORCH/lib
+		-o $@ $(OPS_SOURCES) -L$$TORCH/lib -ltorch_cpu -lc10 -Wl,-rpath,$$TORCH/lib
 
 serve: setup
 	$(VENV)/bin/vattn serve $(SERVE_ARGS)
@@ -55,4 +56,4 @@ bench: setup
 	$(PY) -m benchmarks.step_latency
 
 clean:
-	rm -rf $(VENV) $(NATIVE) $(ATTENTION) .pytest_cache
+	rm -rf $(VENV) $(NATIVE) $(OPS) .pytest_cache

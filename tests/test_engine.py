@@ -105,6 +105,17 @@ def test_loads_the_gguf_file_and_bfloat16(hf_greedy: list[list[int]]) -> None:
         half.close()
 
 
+@pytest.mark.parametrize("quantization", ["bf16", "int8"])
+def test_quantized_weights_still_answer(quantization: str) -> None:
+    """Weights in bf16 or int8 (serving.linear): the answer survives; model_speed measures how close."""
+    small = LLM(quantization=quantization, max_slots=2, max_context=128, kv_budget=16 << 20)
+    try:
+        (out,) = small.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        assert "Paris" in out.text
+    finally:
+        small.close()
+
+
 def test_stop_strings_cut_the_text(llm: LLM) -> None:
     (plain,) = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
     (stopped,) = llm.generate(PROMPTS[1], SamplingParams(max_tokens=32, temperature=0, stop=["return"]), use_tqdm=False)

@@ -17,7 +17,6 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from vattn.config import exact_int, is_int
 from vattn.errors import UnavailableError
 from vattn.kv_cache import KVCache
 from vattn.memory import Lease
+from vattn.ops import vattn_ops
 from vattn.sizes import MiB
 
 FLASHINFER_WORKSPACE_BYTES = 128 * MiB
@@ -187,9 +187,6 @@ class SdpaKernel(AttentionKernel):
         return out
 
 
-NATIVE_ATTENTION = Path(__file__).with_name("libvattn_attention.so")
-
-
 class RaggedKernel(AttentionKernel):
     """vattn's own CPU kernel (native/ragged_attention.cpp): one call per layer for the whole
     batch, decodes and prefill chunks together, each request reading its slot's contiguous
@@ -202,11 +199,7 @@ class RaggedKernel(AttentionKernel):
         super().__init__(cache, num_query_heads)
         if cache.device.type != "cpu":
             raise UnavailableError(f"the ragged kernel runs on the CPU; this cache is on {cache.device}")
-        if not hasattr(torch.ops.vattn, "ragged_attention"):
-            if not NATIVE_ATTENTION.is_file():
-                raise UnavailableError(f"the ragged kernel needs {NATIVE_ATTENTION.name}: run `make native`")
-            torch.ops.load_library(NATIVE_ATTENTION)
-        self._attend = torch.ops.vattn.ragged_attention
+        self._attend = vattn_ops().ragged_attention
 
     def _planned(self, batch: AttentionBatch) -> AttentionBatch:
         int64 = torch.int64

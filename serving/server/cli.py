@@ -90,7 +90,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--backend", default=defaults.backend, choices=BACKENDS)
     serve.add_argument("--kernel", default=defaults.kernel, choices=["auto", *KERNELS], help="attention kernel")
     serve.add_argument(
-        "--quantization", default=defaults.quantization, choices=list(QUANTIZATIONS), help="int8: int8 weights"
+        "--quantization",
+        default=defaults.quantization,
+        choices=list(QUANTIZATIONS),
+        help="weights: none (as --dtype), bf16, or int8",
     )
     serve.add_argument("--max-queue", type=int, default=server.max_queue, help="requests that may wait; more get 429")
     serve.add_argument("--max-body-size", type=size, default=server.max_body_bytes, help="largest request body")
