@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -73,12 +75,20 @@ def model_shape(model: Any) -> ModelShape:
 class DecoderLayer:
     """One decoder layer's weights, projections that share an input fused."""
 
-    input_norm: torch.nn.Module
+    input_norm: Norm
     qkv: Linear
     o: Linear
-    post_attention_norm: torch.nn.Module
+    post_attention_norm: Norm
     gate_up: Linear
     down: Linear
+
+
+Norm = Callable[[Tensor], Tensor]
+
+
+def rms_norm(module: torch.nn.Module) -> Norm:
+    """The model's RMSNorm as torch's fused `rms_norm` (one operator instead of seven)."""
+    return partial(F.rms_norm, normalized_shape=module.weight.shape, weight=module.weight, eps=module.variance_epsilon)
 
 
 def decoder_layers(model: Any, quantization: str) -> list[DecoderLayer]:
@@ -88,10 +98,10 @@ def decoder_layers(model: Any, quantization: str) -> list[DecoderLayer]:
         attention, mlp = layer.self_attn, layer.mlp
         layers.append(
             DecoderLayer(
-                input_norm=layer.input_layernorm,
+                input_norm=rms_norm(layer.input_layernorm),
                 qkv=fused([attention.q_proj, attention.k_proj, attention.v_proj], quantization),
                 o=fused([attention.o_proj], quantization),
-                post_attention_norm=layer.post_attention_layernorm,
+                post_attention_norm=rms_norm(layer.post_attention_layernorm),
                 gate_up=fused([mlp.gate_proj, mlp.up_proj], quantization),
                 down=fused([mlp.down_proj], quantization),
             )
@@ -102,8 +112,9 @@ def decoder_layers(model: Any, quantization: str) -> list[DecoderLayer]:
 class ModelRunner:
     """Runs one iteration's tokens (prefill chunks and decodes together) through the model.
 
-    The model's own modules serve the embedding, norms and rotary embedding; its projections
-    are replaced by fused (and optionally int8) ones, and the originals are dropped.
+    The model's own modules serve the embedding and rotary embedding; its norms run as
+    torch's fused `rms_norm`, its projections as fused (and optionally bf16 or int8) ones,
+    and the original projections are dropped.
     """
 
     def __init__(self, model: Any, shape: ModelShape, attend: Attend, quantization: str = "none") -> None:
@@ -111,6 +122,7 @@ class ModelRunner:
         self._body = body = model.model
         self._layers = decoder_layers(model, quantization)
         self._activation = ACT2FN[model.config.hidden_act]
+        self._final_norm = rms_norm(body.norm)
         self._lm_head = fused([model.lm_head], quantization)
         body.layers = torch.nn.ModuleList()  # the fused copies replace them
         self._attend = attend
@@ -135,7 +147,7 @@ class ModelRunner:
             hidden = hidden + layer.o(attended.reshape(tokens, -1))
             gate, up = layer.gate_up(layer.post_attention_norm(hidden)).chunk(2, dim=-1)
             hidden = hidden + layer.down(self._activation(gate) * up)
-        return body.norm(hidden)
+        return self._final_norm(hidden)
 
     @torch.inference_mode()
     def logits(self, hidden: Tensor) -> Tensor:
