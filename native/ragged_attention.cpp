@@ -2,7 +2,7 @@
 // each request's contiguous K/V in the cache's virtual tensors, one call per layer for the
 // whole batch (decodes and prefill chunks together), on the CPU.
 //
-// Request b owns query rows [starts[b], starts[b+1]) and cache positions
+// Request b owns query rows [starts[b], starts[b] + new_b) and cache positions
 // [lengths[b] - new_b, lengths[b]) of row reqids[b]; query row i of it sits at position
 // lengths[b] - new_b + i and sees keys [0, that position]. Nothing past lengths[b] is ever
 // read, so unmapped pages behind a slot are never touched (the caller guarantees that
@@ -41,7 +41,8 @@ inline const float* float_row(const T* src, float* buffer, int64_t dim) {
 
 template <typename QT, typename KT>
 void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const int64_t* reqids, const int64_t* starts, const int64_t* lengths, int64_t batch, double scale) {
+            const int64_t* reqids, const int64_t* starts, const int64_t* news, const int64_t* lengths, int64_t batch,
+            double scale) {
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads;
   const QT* q_data = q.const_data_ptr<QT>();
@@ -55,14 +56,13 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
 
   std::vector<Item> items;
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t new_rows = starts[b + 1] - starts[b];
+    const int64_t new_rows = news[b];
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t r = 0; r < new_rows; r += kTileRows) items.push_back({b, h, r, std::min(kTileRows, new_rows - r)});
   }
   // Longest contexts first: a cheap balance across the pool's threads.
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-    return lengths[a.request] - (starts[a.request + 1] - starts[a.request]) + a.first_row >
-           lengths[b.request] - (starts[b.request + 1] - starts[b.request]) + b.first_row;
+    return lengths[a.request] - news[a.request] + a.first_row > lengths[b.request] - news[b.request] + b.first_row;
   });
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
@@ -70,8 +70,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     for (int64_t it = begin; it < end; ++it) {
       const Item item = items[it];
       const int64_t b = item.request, length = lengths[b];
-      const int64_t new_rows = starts[b + 1] - starts[b];
-      const int64_t first_pos = length - new_rows + item.first_row;  // position of the tile's first row
+      const int64_t first_pos = length - news[b] + item.first_row;  // position of the tile's first row
       const int64_t keys = first_pos + item.rows;                     // keys the tile's last row sees
       const int64_t lanes = item.rows * group;                         // (row, query head) pairs
       scores.assign(lanes * keys, 0.0f);
@@ -131,7 +130,8 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
 }
 
 void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& reqids, const at::Tensor& starts, const at::Tensor& lengths, double scale) {
+                      const at::Tensor& reqids, const at::Tensor& starts, const at::Tensor& new_tokens,
+                      const at::Tensor& lengths, double scale) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.dtype() == q.dtype(),
               "q and out must be [tokens, heads, head_dim] of one dtype");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out need contiguous head_dim");
@@ -141,32 +141,33 @@ void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
   TORCH_CHECK(k_cache.size(3) == q.size(2), "q and the caches disagree on head_dim");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
   for (const at::Tensor* t : {&q, &out, &k_cache, &v_cache}) TORCH_CHECK(t->device().is_cpu(), "CPU tensors only");
-  for (const at::Tensor* t : {&reqids, &starts, &lengths})
+  for (const at::Tensor* t : {&reqids, &starts, &new_tokens, &lengths})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
-                "reqids, starts and lengths must be contiguous int64 CPU vectors");
+                "reqids, starts, new_tokens and lengths must be contiguous int64 CPU vectors");
   const int64_t batch = reqids.size(0);
-  TORCH_CHECK(lengths.size(0) == batch && starts.size(0) == batch + 1, "need starts [batch + 1], lengths [batch]");
+  TORCH_CHECK(starts.size(0) == batch && new_tokens.size(0) == batch && lengths.size(0) == batch,
+              "reqids, starts, new_tokens and lengths need one entry per request");
   const int64_t* ids = reqids.const_data_ptr<int64_t>();
   const int64_t* rows = starts.const_data_ptr<int64_t>();
+  const int64_t* news = new_tokens.const_data_ptr<int64_t>();
   const int64_t* lens = lengths.const_data_ptr<int64_t>();
-  TORCH_CHECK(rows[0] == 0 && rows[batch] == q.size(0), "starts must run from 0 to the number of tokens");
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t new_rows = rows[b + 1] - rows[b];
     TORCH_CHECK(0 <= ids[b] && ids[b] < k_cache.size(0), "reqid out of range");
-    TORCH_CHECK(1 <= new_rows && new_rows <= lens[b] && lens[b] <= k_cache.size(1),
+    TORCH_CHECK(0 <= rows[b] && rows[b] + news[b] <= q.size(0), "a request's rows lie outside q");
+    TORCH_CHECK(1 <= news[b] && news[b] <= lens[b] && lens[b] <= k_cache.size(1),
                 "each request needs 1 <= new tokens <= length <= context");
   }
   const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
   if (qt == at::kFloat && kt == at::kFloat) {
-    attend<float, float>(out, q, k_cache, v_cache, ids, rows, lens, batch, scale);
+    attend<float, float>(out, q, k_cache, v_cache, ids, rows, news, lens, batch, scale);
   } else if (qt == at::kFloat && kt == at::kBFloat16) {
-    attend<float, c10::BFloat16>(out, q, k_cache, v_cache, ids, rows, lens, batch, scale);
+    attend<float, c10::BFloat16>(out, q, k_cache, v_cache, ids, rows, news, lens, batch, scale);
   } else if (qt == at::kBFloat16 && kt == at::kBFloat16) {
-    attend<c10::BFloat16, c10::BFloat16>(out, q, k_cache, v_cache, ids, rows, lens, batch, scale);
+    attend<c10::BFloat16, c10::BFloat16>(out, q, k_cache, v_cache, ids, rows, news, lens, batch, scale);
   } else if (qt == at::kHalf && kt == at::kHalf) {
-    attend<c10::Half, c10::Half>(out, q, k_cache, v_cache, ids, rows, lens, batch, scale);
+    attend<c10::Half, c10::Half>(out, q, k_cache, v_cache, ids, rows, news, lens, batch, scale);
   } else if (qt == at::kFloat && kt == at::kHalf) {
-    attend<float, c10::Half>(out, q, k_cache, v_cache, ids, rows, lens, batch, scale);
+    attend<float, c10::Half>(out, q, k_cache, v_cache, ids, rows, news, lens, batch, scale);
   } else {
     TORCH_CHECK(false, "unsupported dtypes: q ", qt, ", cache ", kt);
   }
@@ -177,7 +178,7 @@ void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
 TORCH_LIBRARY(vattn, m) {
   m.def(
       "ragged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor reqids, Tensor starts, "
-      "Tensor lengths, float scale) -> ()");
+      "Tensor new_tokens, Tensor lengths, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vattn, CPU, m) { m.impl("ragged_attention", &ragged_attention); }

@@ -159,6 +159,28 @@ class AttentionKernel(ABC):
         kv[1].index_put_(index, v)
 
 
+def sdpa_request(query: Tensor, keys: Tensor, values: Tensor, length: int, scale: float) -> Tensor:
+    """torch SDPA for one request: `query` [new, heads, dim] at the last `new` of `length`
+    positions over its `[length, kv_heads, dim]` keys and values; returns [new, heads, dim]."""
+    new = query.shape[0]
+    # Causal, aligned to the end (query j sits at position length - new + j); SDPA's own
+    # is_causal aligns to the start, which agrees only when the whole context is new.
+    whole = new == length
+    mask = (
+        None if new == 1 or whole else torch.ones(new, length, dtype=torch.bool, device=query.device).tril(length - new)
+    )
+    attended = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=whole and new > 1,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return attended.squeeze(0).transpose(0, 1)
+
+
 class SdpaKernel(AttentionKernel):
     """torch `scaled_dot_product_attention` on each request's `[heads, length, dim]` view (CPU or GPU)."""
 
@@ -168,32 +190,31 @@ class SdpaKernel(AttentionKernel):
         self._store(kv, batch, k, v)
         keys, values = kv
         out = torch.empty_like(q)
-        for rows, reqid, new, length in batch.requests():
-            query = q[rows].transpose(0, 1).unsqueeze(0)
-            key = keys[reqid, :length].transpose(0, 1).unsqueeze(0)
-            value = values[reqid, :length].transpose(0, 1).unsqueeze(0)
-            # Causal, aligned to the end (query j sits at position length - new + j); SDPA's own
-            # is_causal aligns to the start, which agrees only when the whole context is new.
-            whole = new == length
-            mask = (
-                None
-                if new == 1 or whole
-                else torch.ones(new, length, dtype=torch.bool, device=q.device).tril(length - new)
-            )
-            attended = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=mask, is_causal=whole and new > 1, scale=self.scale, enable_gqa=True
-            )
-            out[rows] = attended.squeeze(0).transpose(0, 1)
+        for rows, reqid, _, length in batch.requests():
+            out[rows] = sdpa_request(q[rows], keys[reqid, :length], values[reqid, :length], length, self.scale)
         return out
 
 
+@dataclass(frozen=True)
+class RaggedPlan:
+    """The ragged kernel's split of an iteration: short requests for its one call, as int64
+    vectors (reqids, first query rows, new tokens, lengths), and long prefill chunks for SDPA."""
+
+    short: tuple[Tensor, Tensor, Tensor, Tensor] | None
+    long: tuple[int, ...]
+    """Indexes into the batch's requests."""
+
+
 class RaggedKernel(AttentionKernel):
-    """vattn's own CPU kernel (native/ragged_attention.cpp): one call per layer for the whole
-    batch, decodes and prefill chunks together, each request reading its slot's contiguous
-    K/V only up to its length. Per-request SDPA costs one call (and for chunks a mask) per
-    request per layer, which dominates a decode step at dozens of requests."""
+    """vattn's own CPU kernel (native/ragged_attention.cpp) for decodes and short prefill
+    chunks: one call per layer for all of them, each request reading its slot's contiguous
+    K/V only up to its length. Per-request SDPA costs a call (and for chunks a mask) per
+    request per layer, which dominates a decode step at dozens of requests; but torch's
+    flash kernel is several times faster on a long chunk, whose many query rows make
+    attention compute-bound, so chunks of more than `LONG_CHUNK` tokens go to SDPA."""
 
     name = "ragged"
+    LONG_CHUNK = 32
 
     def __init__(self, cache: KVCache, num_query_heads: int) -> None:
         super().__init__(cache, num_query_heads)
@@ -202,18 +223,26 @@ class RaggedKernel(AttentionKernel):
         self._attend = vattn_ops().ragged_attention
 
     def _planned(self, batch: AttentionBatch) -> AttentionBatch:
-        int64 = torch.int64
-        vectors = (
-            torch.tensor(batch.reqids, dtype=int64),
-            torch.tensor(batch.starts, dtype=int64),
-            torch.tensor(batch.lengths, dtype=int64),
-        )
-        return replace(batch, wrapper=vectors)
+        short = [i for i, new in enumerate(batch.new_tokens) if new <= self.LONG_CHUNK]
+        long = tuple(i for i, new in enumerate(batch.new_tokens) if new > self.LONG_CHUNK)
+        vectors = None
+        if short:
+            vectors = tuple(
+                torch.tensor([column[i] for i in short], dtype=torch.int64)
+                for column in (batch.reqids, batch.starts, batch.new_tokens, batch.lengths)
+            )
+        return replace(batch, wrapper=RaggedPlan(vectors, long))  # type: ignore[arg-type]
 
     def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self._store(kv, batch, k, v)
+        keys, values = kv
+        plan: RaggedPlan = batch.wrapper
         out = torch.empty_like(q)
-        self._attend(out, q, kv[0], kv[1], *batch.wrapper, self.scale)
+        if plan.short is not None:
+            self._attend(out, q, keys, values, *plan.short, self.scale)
+        for i in plan.long:
+            rows, reqid, length = slice(batch.starts[i], batch.starts[i + 1]), batch.reqids[i], batch.lengths[i]
+            out[rows] = sdpa_request(q[rows], keys[reqid, :length], values[reqid, :length], length, self.scale)
         return out
 
 
