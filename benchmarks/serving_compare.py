@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -132,7 +132,7 @@ def llamacpp_system(name: str, gguf: Path) -> System:
     ]
     skip = missing(server, gguf, target="peer-llamacpp")
     version = "?"
-    if skip is None:
+    if server.exists():
         out = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=30)
         sdist = sorted(p.name for p in server.parent.glob("llama_cpp_python-*.tar.gz"))
         version = "; ".join([*sdist, *(out.stdout + out.stderr).strip().splitlines()[:1]])
@@ -170,17 +170,27 @@ def hf_system(model_dir: Path, output_tokens: int) -> System:
     )
 
 
-def session_members(sid: int) -> list[tuple[int, int]]:
-    """(pid, RSS bytes) of every process in session `sid`, from /proc/*/stat."""
+def session_members(sid: int) -> list[tuple[int, int, int]]:
+    """(pid, RSS bytes, CPU ticks used) of every process in session `sid`, from /proc/*/stat."""
     members = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()  # fields[0] is field 3 of proc(5)
             if int(fields[3]) == sid:
-                members.append((int(stat.parent.name), int(fields[21]) * PAGE))
+                members.append((int(stat.parent.name), int(fields[21]) * PAGE, int(fields[11]) + int(fields[12])))
         except (OSError, ValueError, IndexError):
             pass
     return members
+
+
+def server_ticks(sid: int) -> int:
+    return sum(ticks for _, _, ticks in session_members(sid))
+
+
+def server_share(sid: int, ticks_before: int, since: float) -> float:
+    """The server's share of the machine's CPU time since `since` (time.monotonic())."""
+    available = os.sysconf("SC_CLK_TCK") * (time.monotonic() - since) * (os.cpu_count() or 1)
+    return (server_ticks(sid) - ticks_before) / available
 
 
 class TreeRss:
@@ -194,10 +204,10 @@ class TreeRss:
 
     def _poll(self) -> None:
         while not self._done.wait(self.interval):
-            self.peak = max(self.peak, sum(rss for _, rss in session_members(self.sid)))
+            self.peak = max(self.peak, sum(rss for _, rss, _ in session_members(self.sid)))
 
     def take(self) -> float:
-        peak, self.peak = self.peak, sum(rss for _, rss in session_members(self.sid))
+        peak, self.peak = self.peak, sum(rss for _, rss, _ in session_members(self.sid))
         return round(max(peak, self.peak) / MiB, 1)
 
     def stop(self) -> None:
@@ -216,7 +226,8 @@ def stop_session(process: subprocess.Popen[bytes], grace: float = 30.0) -> None:
         process.poll()  # reaps the leader so that it leaves the session
         time.sleep(0.2)
     if session_members(process.pid):
-        os.killpg(process.pid, signal.SIGKILL)
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
     process.wait()
 
 
@@ -298,10 +309,11 @@ def bench_system(
                 asyncio.run(run_level(url, system, model, [warmup], 1, args.output_tokens))
                 info["idle_rss_mib"] = rss.take()
                 for concurrency, prompts in levels:
-                    cpu = CpuShare()
+                    cpu, ticks, begun = CpuShare(), server_ticks(process.pid), time.monotonic()
                     timings, elapsed = asyncio.run(
                         run_level(url, system, model, prompts, concurrency, args.output_tokens)
                     )
+                    server = server_share(process.pid, ticks, begun)
                     rows.append(
                         {
                             "system": system.name,
@@ -309,7 +321,9 @@ def bench_system(
                             **summarize(timings, elapsed),
                             "short_requests": sum(t.tokens != args.output_tokens for t in timings),
                             "peak_rss_mib": rss.take(),
-                            "other_cpu_share": round(cpu.stop()["other_share"], 3),
+                            "server_cpu_share": round(server, 3),
+                            # the machine's CPU time that went to neither the server nor this client
+                            "other_cpu_share": round(max(0.0, cpu.stop()["other_share"] - server), 3),
                         }
                     )
             finally:
