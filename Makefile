@@ -32,11 +32,12 @@ model: $(STAMP)
 $(NATIVE): native/vattn_native.c
 	cc -O2 -Wall -Wextra -Werror -shared -fPIC -o $@ $< -ldl -lpthread
 
-# vattn's CPU torch operators, built against the venv's torch for this machine's CPU.
+# vattn's CPU torch operators, built against the venv's torch for this machine's CPU. Never
+# -ffast-math: linking it sets flush-to-zero for the whole process when the library loads.
 OPS_SOURCES := native/ragged_attention.cpp native/int8_linear.cpp
 $(OPS): $(OPS_SOURCES) $(STAMP)
 	TORCH=$$($(PY) -c "import os, torch; print(os.path.dirname(torch.__file__))"); \
-	c++ -O3 -march=native -ffast-math -fopenmp -std=c++20 -shared -fPIC -Wall -Wextra -Werror \
+	c++ -O3 -march=native -fno-math-errno -fopenmp -std=c++20 -shared -fPIC -Wall -Wextra -Werror \
 		-D_GLIBCXX_USE_CXX11_ABI=$$($(PY) -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))") \
 		-isystem $$TORCH/include -isystem $$TORCH/include/torch/csrc/api/include \
 		-o $@ $(OPS_SOURCES) -L$$TORCH/lib -ltorch_cpu -lc10 -Wl,-rpath,$$TORCH/lib

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from serving.linear import QUANTIZATIONS, fused, make_linear
+from vattn.ops import vattn_ops
 
 
 def _projection(out_features: int, in_features: int, bias: bool, seed: int) -> torch.nn.Linear:
@@ -46,3 +49,10 @@ def test_unknown_quantization_is_refused() -> None:
     with pytest.raises(ValueError, match="quantization must be one of none, bf16, int8"):
         make_linear(torch.randn(4, 4), None, "int4")
     assert QUANTIZATIONS == ("none", "bf16", "int8")
+
+
+def test_loading_the_operators_keeps_subnormal_floats() -> None:
+    """A library built with -ffast-math sets flush-to-zero for the whole process when it loads."""
+    vattn_ops()
+    assert sys.float_info.min / 2 > 0
+    assert torch.tensor(1e-40, dtype=torch.float32).item() > 0
