@@ -35,7 +35,7 @@ $(NATIVE): native/vattn_native.c
 # vattn's CPU torch operators, built against the venv's torch for this machine's CPU. Never
 # -ffast-math: linking it sets flush-to-zero for the whole process when the library loads.
 OPS_SOURCES := native/ragged_attention.cpp native/int8_linear.cpp
-$(OPS): $(OPS_SOURCES) $(STAMP)
+$(OPS): $(OPS_SOURCES) Makefile $(STAMP)
 	TORCH=$$($(PY) -c "import os, torch; print(os.path.dirname(torch.__file__))"); \
 	c++ -O3 -march=native -fno-math-errno -fopenmp -std=c++20 -shared -fPIC -Wall -Wextra -Werror \
 		-D_GLIBCXX_USE_CXX11_ABI=$$($(PY) -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))") \
