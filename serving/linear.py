@@ -77,8 +77,10 @@ def make_linear(weight: Tensor, bias: Tensor | None, quantization: str) -> Linea
 
 def fused(linears: list[torch.nn.Linear], quantization: str) -> Linear:
     """One projection computing several that read the same input (q, k, v; gate, up), outputs
-    concatenated in order: one matrix multiply instead of several smaller ones."""
-    weight = torch.cat([linear.weight for linear in linears])
+    concatenated in order: one matrix multiply instead of several smaller ones. A single
+    projection keeps its own weight (no copy: a tied LM head stays the embedding's)."""
+    weights = [linear.weight.detach() for linear in linears]
+    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
     biases = [linear.bias for linear in linears]
     if all(b is None for b in biases):
         bias = None
