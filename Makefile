@@ -34,10 +34,12 @@ $(NATIVE): native/vattn_native.c
 
 # vattn's CPU torch operators, built against the venv's torch for this machine's CPU. Never
 # -ffast-math: linking it sets flush-to-zero for the whole process when the library loads.
-OPS_SOURCES := native/ragged_attention.cpp native/int8_linear.cpp
+# No FMA contraction either, so the rotary embedding rounds exactly as transformers' does
+# (it cost nothing measurable in the attention kernel).
+OPS_SOURCES := native/ragged_attention.cpp native/int8_linear.cpp native/rms_norm.cpp native/rotary.cpp
 $(OPS): $(OPS_SOURCES) Makefile $(STAMP)
 	TORCH=$$($(PY) -c "import os, torch; print(os.path.dirname(torch.__file__))"); \
-	c++ -O3 -march=native -fno-math-errno -fopenmp -std=c++20 -shared -fPIC -Wall -Wextra -Werror \
+	c++ -O3 -march=native -fno-math-errno -ffp-contract=off -fopenmp -std=c++20 -shared -fPIC -Wall -Wextra -Werror \
 		-D_GLIBCXX_USE_CXX11_ABI=$$($(PY) -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))") \
 		-isystem $$TORCH/include -isystem $$TORCH/include/torch/csrc/api/include \
 		-o $@ $(OPS_SOURCES) -L$$TORCH/lib -ltorch_cpu -lc10 -Wl,-rpath,$$TORCH/lib

@@ -8,9 +8,14 @@
 // read, so unmapped pages behind a slot are never touched (the caller guarantees that
 // [0, lengths[b]) is mapped: vattn checks it against KVCache.lengths() when it plans).
 //
-// Work items are (request, kv head, tile of query rows); each computes the scores of its
-// rows and the query heads that share the kv head, so a K or V row is read once per tile.
-// Items run on torch's own thread pool (at::parallel_for), so no second OpenMP runtime.
+// Work items are (request, tile of query rows) and cover every head, so each item streams
+// its slot's K/V rows (all kv heads of a token sit together) once, front to back, and the
+// query heads that share a kv head read its rows together. When there are fewer items
+// than twice the threads (a few decodes at long contexts), each item's keys are split into
+// chunks that run as items of their own and are merged after by their softmax maxima and
+// sums (flash-decoding); otherwise one thread would hold a whole context while the other
+// idles. Items run on torch's own thread pool (at::parallel_for), so no second OpenMP
+// runtime.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -23,9 +28,12 @@
 namespace {
 
 constexpr int64_t kTileRows = 16;
+constexpr int64_t kMinChunkKeys = 128;  // below this a split costs more than it spreads
 
 struct Item {
-  int64_t request, kv_head, first_row, rows;
+  int64_t request, first_row, rows;
+  int64_t key_begin, key_end;  // the keys this item reads; a chunk of the tile's when split
+  int64_t partial;             // first lane of its partial results, or -1 when not split
 };
 
 // A K or V row as floats: the row itself for a float cache, else converted into `buffer`.
@@ -54,79 +62,141 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   const int64_t ks_slot = k_cache.stride(0), ks_tok = k_cache.stride(1), ks_head = k_cache.stride(2);
   const int64_t vs_slot = v_cache.stride(0), vs_tok = v_cache.stride(1), vs_head = v_cache.stride(2);
 
-  std::vector<Item> items;
+  std::vector<Item> tiles;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t new_rows = news[b];
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t r = 0; r < new_rows; r += kTileRows) items.push_back({b, h, r, std::min(kTileRows, new_rows - r)});
+    for (int64_t r = 0; r < new_rows; r += kTileRows) {
+      const int64_t rows = std::min(kTileRows, new_rows - r);
+      tiles.push_back({b, r, rows, 0, lengths[b] - new_rows + r + rows, -1});
+    }
   }
-  // Longest contexts first: a cheap balance across the pool's threads.
-  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-    return lengths[a.request] - news[a.request] + a.first_row > lengths[b.request] - news[b.request] + b.first_row;
-  });
+  const int64_t wanted = 2 * at::get_num_threads();
+  const int64_t tile_count = static_cast<int64_t>(tiles.size());
+  std::vector<Item> items;
+  int64_t partial_lanes = 0;
+  for (const Item& tile : tiles) {
+    const int64_t keys = tile.key_end;
+    const int64_t chunks = std::min((wanted + tile_count - 1) / tile_count, keys / kMinChunkKeys);
+    if (tile_count >= wanted || chunks < 2) {
+      items.push_back(tile);
+      continue;
+    }
+    const int64_t per_chunk = (keys + chunks - 1) / chunks;
+    for (int64_t first = 0; first < keys; first += per_chunk) {
+      items.push_back({tile.request, tile.first_row, tile.rows, first, std::min(keys, first + per_chunk), partial_lanes});
+      partial_lanes += tile.rows * heads;
+    }
+  }
+  // Most keys first: a cheap balance across the pool's threads.
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.key_end - a.key_begin > b.key_end - b.key_begin; });
+  // Split items' unnormalized results: per lane its score maximum, its sum of exp and its
+  // weighted sum of values, merged into `out` after every chunk is done.
+  std::vector<float> partial_max(partial_lanes), partial_sum(partial_lanes), partial_acc(partial_lanes * dim);
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, queries, acc, row(dim);
+    std::vector<float> scores, queries, acc, tops, totals, row(dim);
     for (int64_t it = begin; it < end; ++it) {
       const Item item = items[it];
       const int64_t b = item.request, length = lengths[b];
       const int64_t first_pos = length - news[b] + item.first_row;  // position of the tile's first row
-      const int64_t keys = first_pos + item.rows;                     // keys the tile's last row sees
-      const int64_t lanes = item.rows * group;                         // (row, query head) pairs
+      const int64_t key_begin = item.key_begin, keys = item.key_end - key_begin;
+      const int64_t lanes = item.rows * heads;  // (row, query head) pairs, lane = row * heads + head
       scores.assign(lanes * keys, 0.0f);
       queries.resize(lanes * dim);
       acc.assign(lanes * dim, 0.0f);
       for (int64_t r = 0; r < item.rows; ++r)
-        for (int64_t g = 0; g < group; ++g) {
-          const QT* src = q_data + (starts[b] + item.first_row + r) * q_row + (item.kv_head * group + g) * q_head;
-          float* dst = queries.data() + (r * group + g) * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+          const QT* src = q_data + (starts[b] + item.first_row + r) * q_row + h * q_head;
+          float* dst = queries.data() + (r * heads + h) * dim;
           for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * static_cast<float>(scale);
         }
-      const KT* k_base = k_data + reqids[b] * ks_slot + item.kv_head * ks_head;
-      const KT* v_base = v_data + reqids[b] * vs_slot + item.kv_head * vs_head;
-      for (int64_t j = 0; j < keys; ++j) {
-        const float* key = float_row(k_base + j * ks_tok, row.data(), dim);
-        const int64_t first_lane = std::max<int64_t>(0, j - first_pos) * group;  // rows before j skip it
-        for (int64_t lane = first_lane; lane < lanes; ++lane) {
-          const float* qv = queries.data() + lane * dim;
-          float dot = 0.0f;
+      const KT* k_base = k_data + reqids[b] * ks_slot;
+      const KT* v_base = v_data + reqids[b] * vs_slot;
+      // Row r sees the item's keys [key_begin, key_begin + seen(r)); rows before key j skip it.
+      auto seen = [&](int64_t r) { return std::clamp<int64_t>(first_pos + r + 1 - key_begin, 0, keys); };
+      auto first_row = [&](int64_t j) { return std::max<int64_t>(0, key_begin + j - first_pos); };
+      for (int64_t j = 0; j < keys; ++j)
+        for (int64_t kv = 0; kv < kv_heads; ++kv) {
+          const float* key = float_row(k_base + (key_begin + j) * ks_tok + kv * ks_head, row.data(), dim);
+          for (int64_t r = first_row(j); r < item.rows; ++r)
+            for (int64_t lane = r * heads + kv * group; lane < r * heads + (kv + 1) * group; ++lane) {
+              const float* qv = queries.data() + lane * dim;
+              float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += qv[d] * key[d];
-          scores[lane * keys + j] = dot;
+              for (int64_t d = 0; d < dim; ++d) dot += qv[d] * key[d];
+              scores[lane * keys + j] = dot;
+            }
         }
-      }
+      tops.resize(lanes);
+      totals.resize(lanes);
       for (int64_t lane = 0; lane < lanes; ++lane) {
-        const int64_t seen = first_pos + lane / group + 1;
+        const int64_t count = seen(lane / heads);
         float* s = scores.data() + lane * keys;
-        float top = s[0];
-        for (int64_t j = 1; j < seen; ++j) top = std::max(top, s[j]);
+        float top = -INFINITY;
+        for (int64_t j = 0; j < count; ++j) top = std::max(top, s[j]);
         float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < seen; ++j) {
+        for (int64_t j = 0; j < count; ++j) {
           s[j] = std::exp(s[j] - top);
           total += s[j];
         }
-        const float inv = 1.0f / total;
-        for (int64_t j = 0; j < seen; ++j) s[j] *= inv;
+        tops[lane] = top;
+        totals[lane] = total;
       }
-      for (int64_t j = 0; j < keys; ++j) {
-        const float* value = float_row(v_base + j * vs_tok, row.data(), dim);
-        const int64_t first_lane = std::max<int64_t>(0, j - first_pos) * group;
-        for (int64_t lane = first_lane; lane < lanes; ++lane) {
-          const float p = scores[lane * keys + j];
-          float* a = acc.data() + lane * dim;
+      for (int64_t j = 0; j < keys; ++j)
+        for (int64_t kv = 0; kv < kv_heads; ++kv) {
+          const float* value = float_row(v_base + (key_begin + j) * vs_tok + kv * vs_head, row.data(), dim);
+          for (int64_t r = first_row(j); r < item.rows; ++r)
+            for (int64_t lane = r * heads + kv * group; lane < r * heads + (kv + 1) * group; ++lane) {
+              const float p = scores[lane * keys + j];
+              float* a = acc.data() + lane * dim;
 #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * value[d];
+              for (int64_t d = 0; d < dim; ++d) a[d] += p * value[d];
+            }
         }
+      if (item.partial >= 0) {
+        std::copy(tops.begin(), tops.end(), partial_max.begin() + item.partial);
+        std::copy(totals.begin(), totals.end(), partial_sum.begin() + item.partial);
+        std::copy(acc.begin(), acc.end(), partial_acc.begin() + item.partial * dim);
+        continue;
       }
       for (int64_t r = 0; r < item.rows; ++r)
-        for (int64_t g = 0; g < group; ++g) {
-          QT* dst = out_data + (starts[b] + item.first_row + r) * o_row + (item.kv_head * group + g) * o_head;
-          const float* src = acc.data() + (r * group + g) * dim;
-          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<QT>(src[d]);
+        for (int64_t h = 0; h < heads; ++h) {
+          QT* dst = out_data + (starts[b] + item.first_row + r) * o_row + h * o_head;
+          const int64_t lane = r * heads + h;
+          const float inv = 1.0f / totals[lane];
+          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<QT>(acc[lane * dim + d] * inv);
         }
     }
   });
+
+  if (partial_lanes == 0) return;
+  // Merge each split tile's chunks.
+  for (const Item& tile : tiles) {
+    std::vector<const Item*> chunks;
+    for (const Item& item : items)
+      if (item.partial >= 0 && item.request == tile.request && item.first_row == tile.first_row)
+        chunks.push_back(&item);
+    if (chunks.empty()) continue;
+    for (int64_t r = 0; r < tile.rows; ++r)
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t lane = r * heads + h;
+        float top = -INFINITY;
+        for (const Item* c : chunks) top = std::max(top, partial_max[c->partial + lane]);
+        float total = 0.0f;
+        std::vector<float> merged(dim, 0.0f);
+        for (const Item* c : chunks) {
+          if (partial_sum[c->partial + lane] == 0.0f) continue;  // a chunk past this row's keys
+          const float weight = std::exp(partial_max[c->partial + lane] - top);
+          total += weight * partial_sum[c->partial + lane];
+          const float* a = partial_acc.data() + (c->partial + lane) * dim;
+          for (int64_t d = 0; d < dim; ++d) merged[d] += weight * a[d];
+        }
+        QT* dst = out_data + (starts[tile.request] + tile.first_row + r) * o_row + h * o_head;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<QT>(merged[d] / total);
+      }
+  }
 }
 
 void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from serving.linear import Linear, fused
 from vattn.kernels import AttentionBatch
+from vattn.ops import vattn_ops
 
 Attend = Callable[[int, AttentionBatch, Tensor, Tensor, Tensor], Tensor]
 """(layer, batch, q, k, v) -> attention output: stores the new K/V and attends over the cache."""
@@ -72,6 +72,39 @@ def model_shape(model: Any) -> ModelShape:
 
 
 @dataclass(frozen=True)
+class Norm:
+    """A model's RMSNorm. On the CPU it runs as vattn's one-pass operators (torch's own
+    is ~7 operators, more than the arithmetic at batch 1), elsewhere as torch's."""
+
+    weight: Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> Norm:
+        return cls(module.weight, module.variance_epsilon)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if x.is_cpu:
+            return vattn_ops().rms_norm(x, self.weight, self.eps)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_and_norm(self, x: Tensor, residual: Tensor) -> Tensor:
+        """`residual += x` in place, then the norm of the sum."""
+        if x.is_cpu:
+            return vattn_ops().add_rms_norm(x, residual, self.weight, self.eps)
+        residual += x
+        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps)
+
+
+def rotate(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotary embedding of q and k `[tokens, heads, head_dim]`; in place on the CPU."""
+    if q.is_cpu:
+        vattn_ops().rotary(q, k, cos, sin)
+        return q, k
+    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+
+
+@dataclass(frozen=True)
 class DecoderLayer:
     """One decoder layer's weights, projections that share an input fused."""
 
@@ -83,14 +116,6 @@ class DecoderLayer:
     down: Linear
 
 
-Norm = Callable[[Tensor], Tensor]
-
-
-def rms_norm(module: torch.nn.Module) -> Norm:
-    """The model's RMSNorm as torch's fused `rms_norm` (one operator instead of seven)."""
-    return partial(F.rms_norm, normalized_shape=module.weight.shape, weight=module.weight, eps=module.variance_epsilon)
-
-
 def decoder_layers(model: Any, quantization: str) -> list[DecoderLayer]:
     """The model's layers with fused QKV and gate/up projections, quantized as asked."""
     layers = []
@@ -98,10 +123,10 @@ def decoder_layers(model: Any, quantization: str) -> list[DecoderLayer]:
         attention, mlp = layer.self_attn, layer.mlp
         layers.append(
             DecoderLayer(
-                input_norm=rms_norm(layer.input_layernorm),
+                input_norm=Norm.of(layer.input_layernorm),
                 qkv=fused([attention.q_proj, attention.k_proj, attention.v_proj], quantization),
                 o=fused([attention.o_proj], quantization),
-                post_attention_norm=rms_norm(layer.post_attention_layernorm),
+                post_attention_norm=Norm.of(layer.post_attention_layernorm),
                 gate_up=fused([mlp.gate_proj, mlp.up_proj], quantization),
                 down=fused([mlp.down_proj], quantization),
             )
@@ -112,9 +137,10 @@ def decoder_layers(model: Any, quantization: str) -> list[DecoderLayer]:
 class ModelRunner:
     """Runs one iteration's tokens (prefill chunks and decodes together) through the model.
 
-    The model's own modules serve the embedding and rotary embedding; its norms run as
-    torch's fused `rms_norm`, its projections as fused (and optionally bf16 or int8) ones,
-    and the original projections are dropped.
+    The model's own modules serve the embedding and the rotary tables; norms (each fused
+    with the residual add before it) and the rotation run as `Norm` and `rotate`, the
+    projections as fused (and optionally bf16 or int8) ones, and the original projections
+    are dropped.
     """
 
     def __init__(self, model: Any, shape: ModelShape, attend: Attend, quantization: str = "none") -> None:
@@ -122,7 +148,7 @@ class ModelRunner:
         self._body = body = model.model
         self._layers = decoder_layers(model, quantization)
         self._activation = ACT2FN[model.config.hidden_act]
-        self._final_norm = rms_norm(body.norm)
+        self._final_norm = Norm.of(body.norm)
         self._lm_head = fused([model.lm_head], quantization)
         body.layers = torch.nn.ModuleList()  # the fused copies replace them
         self._attend = attend
@@ -137,17 +163,21 @@ class ModelRunner:
         tokens = input_ids.shape[0]
         q_width = shape.num_query_heads * shape.head_dim
         kv_width = shape.num_kv_heads * shape.head_dim
+        residual = hidden
+        normed = self._layers[0].input_norm(hidden)
         for index, layer in enumerate(self._layers):
-            q, k, v = layer.qkv(layer.input_norm(hidden)).split([q_width, kv_width, kv_width], dim=-1)
+            q, k, v = layer.qkv(normed).split([q_width, kv_width, kv_width], dim=-1)
             q = q.view(tokens, shape.num_query_heads, shape.head_dim)
             k = k.view(tokens, shape.num_kv_heads, shape.head_dim)
             v = v.view(tokens, shape.num_kv_heads, shape.head_dim)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+            q, k = rotate(q, k, cos, sin)
             attended = self._attend(index, batch, q, k, v)
-            hidden = hidden + layer.o(attended.reshape(tokens, -1))
-            gate, up = layer.gate_up(layer.post_attention_norm(hidden)).chunk(2, dim=-1)
-            hidden = hidden + layer.down(self._activation(gate) * up)
-        return self._final_norm(hidden)
+            normed = layer.post_attention_norm.add_and_norm(layer.o(attended.reshape(tokens, -1)), residual)
+            gate, up = layer.gate_up(normed).chunk(2, dim=-1)
+            mlp_out = layer.down(self._activation(gate) * up)
+            following = self._layers[index + 1].input_norm if index + 1 < len(self._layers) else self._final_norm
+            normed = following.add_and_norm(mlp_out, residual)
+        return normed
 
     @torch.inference_mode()
     def logits(self, hidden: Tensor) -> Tensor:

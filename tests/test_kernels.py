@@ -28,6 +28,19 @@ def test_cpu_kernels_match_reference_through_chunked_prefill_and_decode(
 
 
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
+def test_cpu_kernels_at_long_contexts_with_few_requests(make_cache: MakeCache, kernel: str) -> None:
+    """Fewer work items than threads: the ragged kernel splits each one's keys into chunks
+    and merges them, for decodes and for a multi-row chunk whose rows end mid-context."""
+    long_context = [{"a": 300, "b": 20}, {"a": 20, "b": 1}, {"a": 1, "b": 1}, {"a": 1}]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        check_kernel(kernel, make_cache(), query_heads=8, tolerance=1e-5, iterations=long_context)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_cpu_kernels_in_half_precision(make_cache: MakeCache, kernel: str, dtype: str) -> None:
     check_kernel(kernel, make_cache(dtype=dtype), query_heads=4, tolerance=2e-2)

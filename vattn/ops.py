@@ -1,5 +1,6 @@
 """vattn's torch operators on the CPU (native/*.cpp, built by `make native`): ragged
-attention and the int8 linear. Loaded into torch.ops.vattn on first use."""
+attention, the int8 linear, RMSNorm and the rotary embedding. Loaded into torch.ops.vattn
+on first use."""
 
 from __future__ import annotations
 

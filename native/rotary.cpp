@@ -1,0 +1,60 @@
+// vattn::rotary: rotary position embedding applied to q and k in place, as transformers'
+// apply_rotary_pos_emb (rotate_half layout: the first and second halves of a head pair up).
+// Python's version is ~15 operators a layer (slices, neg, cat, muls, adds) and allocates
+// four tensors; this is one pass that writes through q's and k's own strides, so it also
+// works on the views a fused QKV projection splits into.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace {
+
+template <typename T>
+void rotate(const at::Tensor& x, const T* cos, const T* sin, int64_t table_stride) {
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  T* data = x.mutable_data_ptr<T>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * table_stride;
+      const T* s = sin + t * table_stride;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* head = data + t * token_stride + h * head_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float first = static_cast<float>(head[i]), second = static_cast<float>(head[i + half]);
+          // The products round to T before the sum, as the Python version's separate ops do.
+          const T a = static_cast<T>(first * static_cast<float>(c[i]));
+          const T b = static_cast<T>(-second * static_cast<float>(s[i]));
+          const T d = static_cast<T>(second * static_cast<float>(c[i + half]));
+          const T e = static_cast<T>(first * static_cast<float>(s[i + half]));
+          head[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+          head[i + half] = static_cast<T>(static_cast<float>(d) + static_cast<float>(e));
+        }
+      }
+    }
+  });
+}
+
+void rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  for (const at::Tensor* x : {&q, &k})
+    TORCH_CHECK(x->device().is_cpu() && x->dim() == 3 && x->stride(2) == 1 && x->size(2) % 2 == 0 &&
+                    x->size(0) == cos.size(0) && x->size(2) == cos.size(1) && x->scalar_type() == q.scalar_type(),
+                "q and k must be CPU [tokens, heads, head_dim] tensors of one dtype, head_dim even and dense");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.stride(1) == 1 && sin.strides() == cos.strides() &&
+                  cos.scalar_type() == q.scalar_type() && sin.scalar_type() == q.scalar_type() &&
+                  cos.device().is_cpu() && sin.device().is_cpu(),
+              "cos and sin must be CPU [tokens, head_dim] tables of q's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary", [&] {
+    rotate<scalar_t>(q, cos.const_data_ptr<scalar_t>(), sin.const_data_ptr<scalar_t>(), cos.stride(0));
+    rotate<scalar_t>(k, cos.const_data_ptr<scalar_t>(), sin.const_data_ptr<scalar_t>(), cos.stride(0));
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vattn, m) { m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()"); }
+
+TORCH_LIBRARY_IMPL(vattn, CPU, m) { m.impl("rotary", &rotary); }

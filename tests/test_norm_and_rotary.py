@@ -1,0 +1,54 @@
+"""The model runner's CPU operators for RMSNorm (with the residual add fused in) and the
+rotary embedding, against transformers' own modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from serving.model_runner import Norm, rotate
+
+DTYPES = [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)]
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), DTYPES)
+def test_norm_matches_llama_rms_norm(dtype: torch.dtype, tolerance: float) -> None:
+    module = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    torch.nn.init.normal_(module.weight)
+    x = torch.randn(7, 96).to(dtype)
+    torch.testing.assert_close(Norm.of(module)(x), module(x), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), DTYPES)
+def test_add_and_norm_updates_the_residual_and_norms_the_sum(dtype: torch.dtype, tolerance: float) -> None:
+    module = LlamaRMSNorm(64, eps=1e-6).to(dtype)
+    torch.nn.init.normal_(module.weight)
+    x, residual = torch.randn(5, 64).to(dtype), torch.randn(5, 64).to(dtype)
+    expected_sum = residual + x
+    normed = Norm.of(module).add_and_norm(x, residual)
+    assert torch.equal(residual, expected_sum)
+    torch.testing.assert_close(normed, module(expected_sum), rtol=tolerance, atol=tolerance)
+
+
+def test_norm_refuses_a_weight_of_the_wrong_width() -> None:
+    with pytest.raises(RuntimeError, match="weight must be"):
+        Norm(torch.ones(32), 1e-6)(torch.randn(2, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_matches_apply_rotary_pos_emb_on_split_views(dtype: torch.dtype) -> None:
+    """q and k are views into one fused QKV output, as the model runner passes them."""
+    tokens, heads, kv_heads, dim = 6, 4, 2, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    angles = torch.randn(tokens, dim // 2).repeat(1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+    expected_q, expected_k = apply_rotary_pos_emb(q.clone(), k.clone(), cos, sin, unsqueeze_dim=1)
+    untouched_v = v.clone()
+    got_q, got_k = rotate(q, k, cos, sin)
+    tolerance = 0 if dtype == torch.float32 else 1e-2  # fp32: the same operations, the same rounding
+    torch.testing.assert_close(got_q, expected_q, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(got_k, expected_k, rtol=tolerance, atol=tolerance)
+    assert torch.equal(v, untouched_v)
