@@ -2,6 +2,10 @@
 // each request's contiguous K/V in the cache's virtual tensors, one call per layer for the
 // whole batch (decodes and prefill chunks together), on the CPU.
 //
+// vattn::paged_attention is the same kernel reading a block-table cache (the paged
+// baseline): only the address of a K/V row differs (`SlotRows` against `BlockRows`), so
+// comparing the two measures what paging itself costs, not two different kernels.
+//
 // Request b owns query rows [starts[b], starts[b] + new_b) and cache positions
 // [lengths[b] - new_b, lengths[b]) of row reqids[b]; query row i of it sits at position
 // lengths[b] - new_b + i and sees keys [0, that position]. Nothing past lengths[b] is ever
@@ -47,20 +51,44 @@ inline const float* float_row(const T* src, float* buffer, int64_t dim) {
   }
 }
 
-template <typename QT, typename KT>
-void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const int64_t* reqids, const int64_t* starts, const int64_t* news, const int64_t* lengths, int64_t batch,
-            double scale) {
-  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2);
+// Token j's row for kv head `kv` of request b: row reqids[b] of a [slots, context, kv_heads,
+// head_dim] virtual tensor.
+template <typename KT>
+struct SlotRows {
+  const KT* data;
+  const int64_t* reqids;
+  int64_t slot, token, head;
+  SlotRows(const at::Tensor& cache, const int64_t* ids)
+      : data(cache.const_data_ptr<KT>()), reqids(ids), slot(cache.stride(0)), token(cache.stride(1)),
+        head(cache.stride(2)) {}
+  const KT* operator()(int64_t b, int64_t kv, int64_t j) const { return data + reqids[b] * slot + j * token + kv * head; }
+};
+
+// The same row in a [blocks, block_size, kv_heads, head_dim] cache through request b's row
+// of the block table.
+template <typename KT>
+struct BlockRows {
+  const KT* data;
+  const int32_t* table;
+  int64_t table_row, block_size, block, token, head;
+  BlockRows(const at::Tensor& cache, const at::Tensor& block_table)
+      : data(cache.const_data_ptr<KT>()), table(block_table.const_data_ptr<int32_t>()),
+        table_row(block_table.stride(0)), block_size(cache.size(1)), block(cache.stride(0)), token(cache.stride(1)),
+        head(cache.stride(2)) {}
+  const KT* operator()(int64_t b, int64_t kv, int64_t j) const {
+    return data + table[b * table_row + j / block_size] * block + (j % block_size) * token + kv * head;
+  }
+};
+
+template <typename QT, typename KT, typename Rows>
+void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, const Rows& value_rows, int64_t kv_heads,
+            const int64_t* starts, const int64_t* news, const int64_t* lengths, int64_t batch, double scale) {
+  const int64_t heads = q.size(1), dim = q.size(2);
   const int64_t group = heads / kv_heads;
   const QT* q_data = q.const_data_ptr<QT>();
   QT* out_data = out.mutable_data_ptr<QT>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
   const int64_t o_row = out.stride(0), o_head = out.stride(1);
-  const KT* k_data = k_cache.const_data_ptr<KT>();
-  const KT* v_data = v_cache.const_data_ptr<KT>();
-  const int64_t ks_slot = k_cache.stride(0), ks_tok = k_cache.stride(1), ks_head = k_cache.stride(2);
-  const int64_t vs_slot = v_cache.stride(0), vs_tok = v_cache.stride(1), vs_head = v_cache.stride(2);
 
   std::vector<Item> tiles;
   for (int64_t b = 0; b < batch; ++b) {
@@ -111,14 +139,12 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
           float* dst = queries.data() + (r * heads + h) * dim;
           for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * static_cast<float>(scale);
         }
-      const KT* k_base = k_data + reqids[b] * ks_slot;
-      const KT* v_base = v_data + reqids[b] * vs_slot;
       // Row r sees the item's keys [key_begin, key_begin + seen(r)); rows before key j skip it.
       auto seen = [&](int64_t r) { return std::clamp<int64_t>(first_pos + r + 1 - key_begin, 0, keys); };
       auto first_row = [&](int64_t j) { return std::max<int64_t>(0, key_begin + j - first_pos); };
       for (int64_t j = 0; j < keys; ++j)
         for (int64_t kv = 0; kv < kv_heads; ++kv) {
-          const float* key = float_row(k_base + (key_begin + j) * ks_tok + kv * ks_head, row.data(), dim);
+          const float* key = float_row(key_rows(b, kv, key_begin + j), row.data(), dim);
           for (int64_t r = first_row(j); r < item.rows; ++r)
             for (int64_t lane = r * heads + kv * group; lane < r * heads + (kv + 1) * group; ++lane) {
               const float* qv = queries.data() + lane * dim;
@@ -146,7 +172,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
       }
       for (int64_t j = 0; j < keys; ++j)
         for (int64_t kv = 0; kv < kv_heads; ++kv) {
-          const float* value = float_row(v_base + (key_begin + j) * vs_tok + kv * vs_head, row.data(), dim);
+          const float* value = float_row(value_rows(b, kv, key_begin + j), row.data(), dim);
           for (int64_t r = first_row(j); r < item.rows; ++r)
             for (int64_t lane = r * heads + kv * group; lane < r * heads + (kv + 1) * group; ++lane) {
               const float p = scores[lane * keys + j];
@@ -199,48 +225,97 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   }
 }
 
-void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& reqids, const at::Tensor& starts, const at::Tensor& new_tokens,
-                      const at::Tensor& lengths, double scale) {
+// Calls f.template operator()<QT, KT>() for the supported (query, cache) dtype pairs.
+template <typename F>
+void dispatch(at::ScalarType qt, at::ScalarType kt, const F& f) {
+  if (qt == at::kFloat && kt == at::kFloat) {
+    f.template operator()<float, float>();
+  } else if (qt == at::kFloat && kt == at::kBFloat16) {
+    f.template operator()<float, c10::BFloat16>();
+  } else if (qt == at::kBFloat16 && kt == at::kBFloat16) {
+    f.template operator()<c10::BFloat16, c10::BFloat16>();
+  } else if (qt == at::kHalf && kt == at::kHalf) {
+    f.template operator()<c10::Half, c10::Half>();
+  } else if (qt == at::kFloat && kt == at::kHalf) {
+    f.template operator()<float, c10::Half>();
+  } else {
+    TORCH_CHECK(false, "unsupported dtypes: q ", qt, ", cache ", kt);
+  }
+}
+
+// The checks both entry points share; returns the batch size.
+int64_t check_batch(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& starts, const at::Tensor& new_tokens, const at::Tensor& lengths,
+                    const char* cache_shape) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.dtype() == q.dtype(),
               "q and out must be [tokens, heads, head_dim] of one dtype");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out need contiguous head_dim");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && v_cache.dtype() == k_cache.dtype(),
-              "k_cache and v_cache must be [slots, context, kv_heads, head_dim] of one dtype");
+              "k_cache and v_cache must be ", cache_shape, " of one dtype");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "the caches need contiguous head_dim");
   TORCH_CHECK(k_cache.size(3) == q.size(2), "q and the caches disagree on head_dim");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
   for (const at::Tensor* t : {&q, &out, &k_cache, &v_cache}) TORCH_CHECK(t->device().is_cpu(), "CPU tensors only");
-  for (const at::Tensor* t : {&reqids, &starts, &new_tokens, &lengths})
+  for (const at::Tensor* t : {&starts, &new_tokens, &lengths})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
-                "reqids, starts, new_tokens and lengths must be contiguous int64 CPU vectors");
-  const int64_t batch = reqids.size(0);
-  TORCH_CHECK(starts.size(0) == batch && new_tokens.size(0) == batch && lengths.size(0) == batch,
-              "reqids, starts, new_tokens and lengths need one entry per request");
-  const int64_t* ids = reqids.const_data_ptr<int64_t>();
+                "starts, new_tokens and lengths must be contiguous int64 CPU vectors");
+  const int64_t batch = starts.size(0);
+  TORCH_CHECK(new_tokens.size(0) == batch && lengths.size(0) == batch,
+              "starts, new_tokens and lengths need one entry per request");
   const int64_t* rows = starts.const_data_ptr<int64_t>();
   const int64_t* news = new_tokens.const_data_ptr<int64_t>();
   const int64_t* lens = lengths.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(0 <= ids[b] && ids[b] < k_cache.size(0), "reqid out of range");
     TORCH_CHECK(0 <= rows[b] && rows[b] + news[b] <= q.size(0), "a request's rows lie outside q");
-    TORCH_CHECK(1 <= news[b] && news[b] <= lens[b] && lens[b] <= k_cache.size(1),
-                "each request needs 1 <= new tokens <= length <= context");
+    TORCH_CHECK(1 <= news[b] && news[b] <= lens[b], "each request needs 1 <= new tokens <= length");
   }
-  const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
-  if (qt == at::kFloat && kt == at::kFloat) {
-    attend<float, float>(out, q, k_cache, v_cache, ids, rows, news, lens, batch, scale);
-  } else if (qt == at::kFloat && kt == at::kBFloat16) {
-    attend<float, c10::BFloat16>(out, q, k_cache, v_cache, ids, rows, news, lens, batch, scale);
-  } else if (qt == at::kBFloat16 && kt == at::kBFloat16) {
-    attend<c10::BFloat16, c10::BFloat16>(out, q, k_cache, v_cache, ids, rows, news, lens, batch, scale);
-  } else if (qt == at::kHalf && kt == at::kHalf) {
-    attend<c10::Half, c10::Half>(out, q, k_cache, v_cache, ids, rows, news, lens, batch, scale);
-  } else if (qt == at::kFloat && kt == at::kHalf) {
-    attend<float, c10::Half>(out, q, k_cache, v_cache, ids, rows, news, lens, batch, scale);
-  } else {
-    TORCH_CHECK(false, "unsupported dtypes: q ", qt, ", cache ", kt);
+  return batch;
+}
+
+void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& reqids, const at::Tensor& starts, const at::Tensor& new_tokens,
+                      const at::Tensor& lengths, double scale) {
+  const int64_t batch =
+      check_batch(out, q, k_cache, v_cache, starts, new_tokens, lengths, "[slots, context, kv_heads, head_dim]");
+  TORCH_CHECK(reqids.device().is_cpu() && reqids.scalar_type() == at::kLong && reqids.dim() == 1 &&
+                  reqids.is_contiguous() && reqids.size(0) == batch,
+              "reqids must be a contiguous int64 CPU vector, one entry per request");
+  const int64_t* ids = reqids.const_data_ptr<int64_t>();
+  const int64_t* lens = lengths.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(0 <= ids[b] && ids[b] < k_cache.size(0), "reqid out of range");
+    TORCH_CHECK(lens[b] <= k_cache.size(1), "a length exceeds the context");
   }
+  dispatch(q.scalar_type(), k_cache.scalar_type(), [&]<typename QT, typename KT>() {
+    attend<QT, KT>(out, q, SlotRows<KT>(k_cache, ids), SlotRows<KT>(v_cache, ids), k_cache.size(2),
+                   starts.const_data_ptr<int64_t>(), new_tokens.const_data_ptr<int64_t>(), lens, batch, scale);
+  });
+}
+
+void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_blocks,
+                     const at::Tensor& v_blocks, const at::Tensor& block_table, const at::Tensor& starts,
+                     const at::Tensor& new_tokens, const at::Tensor& lengths, double scale) {
+  const int64_t batch =
+      check_batch(out, q, k_blocks, v_blocks, starts, new_tokens, lengths, "[blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(block_table.device().is_cpu() && block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1 && block_table.size(0) == batch,
+              "block_table must be an int32 CPU [batch, max_blocks] table, one row per request");
+  const int64_t block_size = k_blocks.size(1), num_blocks = k_blocks.size(0);
+  const int64_t* lens = lengths.const_data_ptr<int64_t>();
+  const int32_t* table = block_table.const_data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t used = (lens[b] + block_size - 1) / block_size;
+    TORCH_CHECK(used <= block_table.size(1), "a length exceeds the block table");
+    for (int64_t i = 0; i < used; ++i) {
+      const int32_t block = table[b * block_table.stride(0) + i];
+      TORCH_CHECK(0 <= block && block < num_blocks, "block id out of range");
+    }
+  }
+  dispatch(q.scalar_type(), k_blocks.scalar_type(), [&]<typename QT, typename KT>() {
+    attend<QT, KT>(out, q, BlockRows<KT>(k_blocks, block_table), BlockRows<KT>(v_blocks, block_table),
+                   k_blocks.size(2), starts.const_data_ptr<int64_t>(), new_tokens.const_data_ptr<int64_t>(), lens,
+                   batch, scale);
+  });
 }
 
 }  // namespace
@@ -249,6 +324,12 @@ TORCH_LIBRARY(vattn, m) {
   m.def(
       "ragged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor reqids, Tensor starts, "
       "Tensor new_tokens, Tensor lengths, float scale) -> ()");
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_blocks, Tensor v_blocks, Tensor block_table, "
+      "Tensor starts, Tensor new_tokens, Tensor lengths, float scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(vattn, CPU, m) { m.impl("ragged_attention", &ragged_attention); }
+TORCH_LIBRARY_IMPL(vattn, CPU, m) {
+  m.impl("ragged_attention", &ragged_attention);
+  m.impl("paged_attention", &paged_attention);
+}

@@ -8,7 +8,11 @@ import torch
 
 from serving.linear import QUANTIZATIONS
 from vattn.config import DTYPES, require_positive_int
+from vattn.kernels import KERNELS
+from vattn.paged import PAGED_KERNELS
 from vattn.sizes import KiB, MiB
+
+KV_CACHES = ("virtual", "paged")
 
 
 @dataclass(frozen=True)
@@ -24,10 +28,17 @@ class EngineConfig:
     """Tokens one iteration computes: prefill chunks plus decodes."""
     kv_budget: int = 1024 * MiB
     """Physical bytes the KV cache may map."""
+    kv_cache: str = "virtual"
+    """`virtual` (vattn's cache) or `paged` (the block-table baseline)."""
     page_size: int = 64 * KiB
+    """The virtual cache's physical page size."""
+    block_size: int = 16
+    """The paged cache's tokens per block."""
     backend: str = "host"
     kernel: str = "auto"
-    """Attention kernel (vattn.kernels.KERNELS); `auto` is `ragged` on the host, `sdpa` on CUDA."""
+    """Attention kernel: virtual cache, vattn.kernels.KERNELS (`auto`: `ragged` on the host,
+    `sdpa` on CUDA); paged cache, vattn.paged.PAGED_KERNELS (`auto`: `paged` on the host,
+    `paged_flashinfer` on CUDA)."""
     quantization: str = "none"
     """Weights: `none` (as `dtype`) or `int8` (serving.linear)."""
     seed: int = 0
@@ -37,6 +48,15 @@ class EngineConfig:
         require_positive_int("max_batched_tokens", self.max_batched_tokens)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {self.kv_cache!r}")
+        require_positive_int("block_size", self.block_size)
+        kernels = KERNELS if self.kv_cache == "virtual" else PAGED_KERNELS
+        if self.kernel != "auto" and self.kernel not in kernels:
+            raise ValueError(
+                f"kernel {self.kernel!r} does not run on the {self.kv_cache} KV cache; "
+                f"choose auto or one of {', '.join(kernels)}"
+            )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
 

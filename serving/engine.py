@@ -16,7 +16,7 @@ import torch
 
 from serving.config import EngineConfig
 from serving.detokenizer import IncrementalDetokenizer
-from serving.kv_store import KVStore, VirtualKVStore
+from serving.kv_store import KVStore, make_kv_store
 from serving.model_runner import ModelRunner, load_model, model_shape
 from serving.model_store import ensure_default_model
 from serving.outputs import RequestOutput, StreamDelta
@@ -46,7 +46,7 @@ class LLMEngine:
         shape = model_shape(model)
         self.max_context = min(config.max_context, shape.max_position)
         self._vocab_size = shape.vocab_size
-        self.kv: KVStore = VirtualKVStore(config, shape, self.max_context)
+        self.kv: KVStore = make_kv_store(config, shape, self.max_context)
         """Slots and pages; callers read it through `stats()`, tests inspect the allocator behind it."""
         self._runner = ModelRunner(model, shape, self.kv.attend, config.quantization)
         self._scheduler = Scheduler(self.kv, config.max_batched_tokens)

@@ -1,15 +1,15 @@
-"""The engine's one boundary with KV memory: a small protocol, and vattn's cache behind it.
+"""The engine's one boundary with KV memory: a small protocol, and the two caches behind it.
 
 The engine admits a request into a slot, grows slots before each iteration, frees them,
-plans and runs attention over them, and reads stats; nothing else. Any store that
-satisfies the protocol (a paged baseline is next) can stand in, and the scheduler,
-sampler and HTTP layers never know which one they drive.
+plans and runs attention over them, and reads stats; nothing else. `VirtualKVStore` is
+vattn's cache, `PagedKVStore` the block-table baseline (`EngineConfig.kv_cache`); the
+scheduler, sampler and HTTP layers never know which one they drive.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -17,7 +17,20 @@ from torch import Tensor
 from serving.config import EngineConfig
 from serving.model_runner import ModelShape
 from vattn import CacheStats, KVCache, KVCacheConfig
-from vattn.kernels import AttentionBatch, make_kernel
+from vattn.kernels import make_kernel
+from vattn.paged import PagedKVCache, PagedKVCacheConfig, make_paged_kernel
+
+
+class IterationBatch(Protocol):
+    """What the engine reads of a planned iteration; the rest is the store's own."""
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """Request i's new tokens are rows `[starts[i], starts[i + 1])`."""
+
+    @property
+    def token_positions(self) -> Tensor:
+        """int64 `[tokens]`: each new token's position in its request."""
 
 
 class KVStore(Protocol):
@@ -31,10 +44,10 @@ class KVStore(Protocol):
 
     def free(self, slot: int) -> None: ...
 
-    def plan(self, slots: Sequence[int], new_tokens: Sequence[int]) -> AttentionBatch:
+    def plan(self, slots: Sequence[int], new_tokens: Sequence[int]) -> IterationBatch:
         """One iteration's attention batch (new token positions included), shared by every layer."""
 
-    def attend(self, layer: int, batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, layer: int, batch: IterationBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Stores the new tokens' K/V and returns their attention output."""
 
     def stats(self) -> CacheStats: ...
@@ -42,9 +55,39 @@ class KVStore(Protocol):
     def close(self) -> None: ...
 
 
-class VirtualKVStore:
-    """vattn's KVCache: each slot's KV virtually contiguous, attention by an unmodified kernel.
-    A slot here is the cache's reqid."""
+class CacheStore:
+    """A KV store over a cache with vattn's lifecycle (alloc_reqid, can_admit, step,
+    free_reqid) and a kernel bound to it (plan, forward). A slot is the cache's reqid."""
+
+    def __init__(self, cache: Any, kernel: Any) -> None:
+        self.cache = cache
+        self.device: torch.device = cache.device
+        self._kernel = kernel
+
+    def admit(self, num_tokens: int) -> int | None:
+        return self.cache.alloc_reqid() if self.cache.can_admit(num_tokens) else None
+
+    def grow(self, lengths: Mapping[int, int]) -> None:
+        self.cache.step(lengths)
+
+    def free(self, slot: int) -> None:
+        self.cache.free_reqid(slot)
+
+    def plan(self, slots: Sequence[int], new_tokens: Sequence[int]) -> IterationBatch:
+        return self._kernel.plan(slots, new_tokens)
+
+    def attend(self, layer: int, batch: IterationBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return self._kernel.forward(layer, batch, q, k, v)
+
+    def stats(self) -> CacheStats:
+        return self.cache.stats()
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+class VirtualKVStore(CacheStore):
+    """vattn's KVCache: each slot's KV virtually contiguous, attention by an unmodified kernel."""
 
     def __init__(self, config: EngineConfig, shape: ModelShape, max_context: int) -> None:
         cache_config = KVCacheConfig(
@@ -58,34 +101,45 @@ class VirtualKVStore:
             backend=config.backend,
             memory_budget=config.kv_budget,
         )
-        full_request = cache_config.pages_for(max_context) * cache_config.page_step_bytes
-        if config.kv_budget < full_request:
-            raise ValueError(
-                f"kv_budget {config.kv_budget} B cannot hold one request at the max context "
-                f"({max_context} tokens need {full_request} B): raise it or lower max_context"
-            )
-        self.cache = KVCache(cache_config)
-        self.device = self.cache.device
+        _check_budget(config, max_context, cache_config.pages_for(max_context) * cache_config.page_step_bytes)
+        cache = KVCache(cache_config)
         kernel = config.kernel if config.kernel != "auto" else "ragged" if config.backend == "host" else "sdpa"
-        self._kernel = make_kernel(kernel, self.cache, shape.num_query_heads)
+        super().__init__(cache, make_kernel(kernel, cache, shape.num_query_heads))
 
-    def admit(self, num_tokens: int) -> int | None:
-        return self.cache.alloc_reqid() if self.cache.can_admit(num_tokens) else None
 
-    def grow(self, lengths: Mapping[int, int]) -> None:
-        self.cache.step(lengths)
+class PagedKVStore(CacheStore):
+    """The paged baseline: KV in blocks of `block_size` tokens found through a block table,
+    attention by a paged kernel."""
 
-    def free(self, slot: int) -> None:
-        self.cache.free_reqid(slot)
+    def __init__(self, config: EngineConfig, shape: ModelShape, max_context: int) -> None:
+        cache_config = PagedKVCacheConfig(
+            num_layers=shape.num_layers,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            max_slots=config.max_slots,
+            max_context=max_context,
+            dtype=config.torch_dtype,
+            block_size=config.block_size,
+            memory_budget=config.kv_budget,
+            device="cuda" if config.backend == "cuda" else "cpu",
+        )
+        _check_budget(config, max_context, cache_config.blocks_for(max_context) * cache_config.block_bytes)
+        cache = PagedKVCache(cache_config)
+        kernel = (
+            config.kernel if config.kernel != "auto" else "paged" if config.backend == "host" else "paged_flashinfer"
+        )
+        super().__init__(cache, make_paged_kernel(kernel, cache, shape.num_query_heads))
 
-    def plan(self, slots: Sequence[int], new_tokens: Sequence[int]) -> AttentionBatch:
-        return self._kernel.plan(slots, new_tokens)
 
-    def attend(self, layer: int, batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return self._kernel.forward(layer, batch, q, k, v)
+def _check_budget(config: EngineConfig, max_context: int, full_request: int) -> None:
+    if config.kv_budget < full_request:
+        raise ValueError(
+            f"kv_budget {config.kv_budget} B cannot hold one request at the max context "
+            f"({max_context} tokens need {full_request} B): raise it or lower max_context"
+        )
 
-    def stats(self) -> CacheStats:
-        return self.cache.stats()
 
-    def close(self) -> None:
-        self.cache.close()
+def make_kv_store(config: EngineConfig, shape: ModelShape, max_context: int) -> KVStore:
+    """The KV store `config.kv_cache` names."""
+    store = VirtualKVStore if config.kv_cache == "virtual" else PagedKVStore
+    return store(config, shape, max_context)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +21,12 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from serving.linear import Linear, fused
-from vattn.kernels import AttentionBatch
 from vattn.ops import vattn_ops
 
-Attend = Callable[[int, AttentionBatch, Tensor, Tensor, Tensor], Tensor]
+if TYPE_CHECKING:
+    from serving.kv_store import IterationBatch
+
+Attend = Callable[[int, "IterationBatch", Tensor, Tensor, Tensor], Tensor]
 """(layer, batch, q, k, v) -> attention output: stores the new K/V and attends over the cache."""
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -154,7 +156,7 @@ class ModelRunner:
         self._attend = attend
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, batch: AttentionBatch) -> Tensor:
+    def forward(self, input_ids: Tensor, batch: IterationBatch) -> Tensor:
         """Hidden states `[tokens, hidden]` after the final norm; token positions come from the batch."""
         shape, body = self._shape, self._body
         hidden = body.embed_tokens(input_ids)

@@ -7,6 +7,7 @@ import torch
 from vattn import KVCache
 from vattn.backends import VMMBackend
 from vattn.kernels import make_kernel
+from vattn.paged import PagedKVCache, make_paged_kernel
 
 ITERATIONS: list[dict[str, int]] = [
     {"a": 40, "b": 69, "c": 33},  # whole prompts, and c's first prefill chunk
@@ -32,7 +33,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
 
 def check_kernel(
     name: str,
-    cache: KVCache,
+    cache: KVCache | PagedKVCache,
     query_heads: int,
     tolerance: float,
     iterations: list[dict[str, int]] = ITERATIONS,
@@ -42,7 +43,7 @@ def check_kernel(
     stored K/V against float64 attention over the whole history, which the test keeps."""
     cfg, device = cache.config, cache.device
     generator = torch.Generator(device=device).manual_seed(seed)
-    kernel = make_kernel(name, cache, query_heads)
+    kernel = (make_paged_kernel if isinstance(cache, PagedKVCache) else make_kernel)(name, cache, query_heads)
     reqids = {request: cache.alloc_reqid() for request in iterations[0]}
     history: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
     lengths = dict.fromkeys(reqids, 0)

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serving.server.cli import parser, size
+from serving.server.cli import main, parser, size
 
 VATTN = Path(sys.executable).parent / "vattn"
 
@@ -58,11 +58,18 @@ def test_bad_arguments_exit_with_a_message(argv: list[str], capsys: pytest.Captu
     assert exit_info.value.code == 2 and "error:" in capsys.readouterr().err
 
 
-def test_serve_logs_ready_and_answers_on_loopback() -> None:
+def test_a_kernel_of_the_other_cache_exits_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--kv-cache", "paged", "--kernel", "ragged"])
+    assert exit_info.value.code == 2 and "does not run on the paged KV cache" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kv_cache", "announced"), [("virtual", "64 KiB pages"), ("paged", "16-token blocks")])
+def test_serve_logs_ready_and_answers_on_loopback(kv_cache: str, announced: str) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    small = ["--max-slots", "2", "--max-context", "128", "--kv-budget", "32M"]
+    small = ["--max-slots", "2", "--max-context", "128", "--kv-budget", "32M", "--kv-cache", kv_cache]
     command = [str(VATTN), "serve", "--port", str(port), *small]
     env = {**os.environ, "VATTN_API_KEY": "k"}
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -73,9 +80,21 @@ def test_serve_logs_ready_and_answers_on_loopback() -> None:
             assert line or server.poll() is None, "".join(log)
             log.append(line)
         assert any(f"ready: SmolLM2-135M-Instruct on http://127.0.0.1:{port}/v1" in line for line in log), log
-        assert any("2 slots, 32 MiB KV budget" in line for line in log), log  # the options reached the engine
+        assert any(f"2 slots, 32 MiB KV budget, {kv_cache} KV cache, {announced}" in line for line in log), log
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401  # the key came from the env
+        completion = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={
+                "model": "SmolLM2-135M-Instruct",
+                "prompt": "The capital of France is",
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+            headers={"Authorization": "Bearer k"},
+            timeout=60,
+        )
+        assert completion.status_code == 200 and "Paris" in completion.json()["choices"][0]["text"]
     finally:
         server.terminate()
         assert server.wait(60) in (0, -signal.SIGTERM)  # uvicorn shuts down, then re-raises the signal

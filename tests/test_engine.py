@@ -88,6 +88,20 @@ def test_preemption_keeps_outputs_and_returns_every_page(hf_greedy: list[list[in
         small.close()
 
 
+def test_the_paged_cache_gives_the_same_greedy_tokens(llm: LLM, hf_greedy: list[list[int]]) -> None:
+    """The A/B the paper needs: the engine on the block-table baseline, unchanged otherwise,
+    with blocks of 7 tokens (not a divisor of anything) and a budget small enough to preempt."""
+    assert run_staggered(llm, PROMPTS, GREEDY) == hf_greedy
+    paged = LLM(**{**ENGINE, "kv_cache": "paged", "block_size": 7, "kv_budget": 8 << 20, "max_context": 160})
+    try:
+        assert run_staggered(paged, PROMPTS, GREEDY) == hf_greedy
+        assert paged.engine.stats().preemptions > 0
+        cache = paged.engine.kv.cache
+        assert cache.num_free_blocks == cache.config.num_blocks and cache.stats().active_slots == 0
+    finally:
+        paged.close()
+
+
 def test_loads_the_gguf_file_and_bfloat16(hf_greedy: list[list[int]]) -> None:
     small = {"max_slots": 2, "max_context": 128, "kv_budget": 16 << 20}
     from_gguf = LLM(model=str(default_gguf()), **small)  # dequantized on load: the same fp32 weights

@@ -73,6 +73,21 @@ class AttentionBatch:
             yield slice(self.starts[i], self.starts[i + 1]), reqid, new, length
 
 
+def iteration_rows(
+    reqids: Sequence[int], new_tokens: Sequence[int], lengths: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """Each request's new-token count checked against its length (1 to length), and the
+    first query row of each request followed by the total."""
+    checked = [
+        exact_int(new, f"reqid {reqid}: new tokens", 1, length)
+        for reqid, new, length in zip(reqids, new_tokens, lengths, strict=True)
+    ]
+    starts = [0]
+    for new in checked:
+        starts.append(starts[-1] + new)
+    return checked, starts
+
+
 class AttentionKernel(ABC):
     """An attention implementation bound to one cache and one model's query head count."""
 
@@ -99,13 +114,7 @@ class AttentionKernel(ABC):
         if len(set(reqids)) != len(reqids):
             raise ValueError(f"reqids must be distinct, got {list(reqids)}")
         lengths = self.cache.lengths(reqids)
-        new_tokens = [
-            exact_int(new, f"reqid {reqid}: new tokens", 1, length)
-            for reqid, new, length in zip(reqids, new_tokens, lengths, strict=True)
-        ]
-        starts = [0]
-        for new in new_tokens:
-            starts.append(starts[-1] + new)
+        new_tokens, starts = iteration_rows(reqids, new_tokens, lengths)
         device = self.cache.device
         token_reqids = [reqid for reqid, new in zip(reqids, new_tokens, strict=True) for _ in range(new)]
         positions = [p for new, n in zip(new_tokens, lengths, strict=True) for p in range(n - new, n)]
@@ -145,7 +154,11 @@ class AttentionKernel(ABC):
                     f"{name} must be {cfg.dtype} {list(shape)} on {self.cache.device}, "
                     f"got {tensor.dtype} {list(tensor.shape)} on {tensor.device}"
                 )
-        return self._forward(self.cache._layer_tensors(layer), batch, q, k, v)
+        return self._forward(self._layer_kv(layer), batch, q, k, v)
+
+    def _layer_kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The layer's K and V tensors, as `_forward` reads them."""
+        return self.cache._layer_tensors(layer)
 
     @abstractmethod
     def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -246,9 +259,9 @@ class RaggedKernel(AttentionKernel):
         return out
 
 
-def _require_gpu(cache: KVCache, kernel: str) -> None:
-    if cache.device.type != "cuda":
-        raise UnavailableError(f"the {kernel} kernel runs on a GPU; this cache is on {cache.device} (backend='cuda')")
+def require_gpu(device: torch.device, kernel: str) -> None:
+    if device.type != "cuda":
+        raise UnavailableError(f"the {kernel} kernel runs on a GPU; this cache is on {device} (backend='cuda')")
 
 
 class FlashAttnKernel(AttentionKernel):
@@ -260,7 +273,7 @@ class FlashAttnKernel(AttentionKernel):
 
     def __init__(self, cache: KVCache, num_query_heads: int) -> None:
         super().__init__(cache, num_query_heads)
-        _require_gpu(cache, self.name)
+        require_gpu(cache.device, self.name)
         try:
             from flash_attn import flash_attn_with_kvcache
         except ImportError as exc:
@@ -299,7 +312,7 @@ class FlashAttnKernel(AttentionKernel):
         return out
 
 
-def _import_flashinfer() -> Any:
+def import_flashinfer() -> Any:
     try:
         import flashinfer
     except ImportError as exc:
@@ -317,10 +330,10 @@ class FlashInferSingleKernel(AttentionKernel):
 
     def __init__(self, cache: KVCache, num_query_heads: int) -> None:
         super().__init__(cache, num_query_heads)
-        _require_gpu(cache, self.name)
+        require_gpu(cache.device, self.name)
         if cache.config.layout != "per_layer":
             raise ValueError("flashinfer_single needs each slot's K/V contiguous: use layout='per_layer'")
-        self._flashinfer = _import_flashinfer()
+        self._flashinfer = import_flashinfer()
 
     def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self._store(kv, batch, k, v)
@@ -348,8 +361,8 @@ class FlashInferPagedKernel(AttentionKernel):
 
     def __init__(self, cache: KVCache, num_query_heads: int) -> None:
         super().__init__(cache, num_query_heads)
-        _require_gpu(cache, self.name)
-        flashinfer = _import_flashinfer()
+        require_gpu(cache.device, self.name)
+        flashinfer = import_flashinfer()
         workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=cache.device)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")

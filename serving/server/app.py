@@ -58,15 +58,20 @@ def build_app(settings: ServerSettings) -> FastAPI:
 async def _announce_ready(engine: AsyncEngine, model_name: str, settings: ServerSettings) -> None:
     if await asyncio.to_thread(engine.wait_ready):
         config = settings.engine_config
+        cache = (
+            f"virtual KV cache, {config.page_size // KiB} KiB pages"
+            if config.kv_cache == "virtual"
+            else f"paged KV cache, {config.block_size}-token blocks"
+        )
         log.info(
-            "ready: %s on http://%s:%d/v1 (%s, %d slots, %d MiB KV budget, %d KiB pages)",
+            "ready: %s on http://%s:%d/v1 (%s, %d slots, %d MiB KV budget, %s)",
             model_name,
             settings.host,
             settings.port,
             config.dtype,
             config.max_slots,
             config.kv_budget // MiB,
-            config.page_size // KiB,
+            cache,
         )
 
 

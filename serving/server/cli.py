@@ -9,12 +9,13 @@ import os
 from collections.abc import Sequence
 from dataclasses import fields
 
-from serving.config import EngineConfig
+from serving.config import KV_CACHES, EngineConfig
 from serving.linear import QUANTIZATIONS
 from serving.server.settings import LOOPBACK_HOSTS, ServerSettings
 from vattn.backends import BACKENDS
 from vattn.config import DTYPES
 from vattn.kernels import KERNELS
+from vattn.paged import PAGED_KERNELS
 from vattn.sizes import parse_size
 
 log = logging.getLogger("vattn.serve")
@@ -78,7 +79,14 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=defaults.dtype, choices=list(DTYPES))
     serve.add_argument("--host", default=server.host, help="address to bind; 0.0.0.0 exposes the server")
     serve.add_argument("--port", type=int, default=server.port)
-    serve.add_argument("--page-size", type=size, default=defaults.page_size, help="physical KV page size")
+    serve.add_argument(
+        "--kv-cache",
+        default=defaults.kv_cache,
+        choices=KV_CACHES,
+        help="virtual: vattn's virtually contiguous cache; paged: the block-table baseline",
+    )
+    serve.add_argument("--page-size", type=size, default=defaults.page_size, help="physical KV page size (virtual)")
+    serve.add_argument("--block-size", type=positive, default=defaults.block_size, help="tokens per KV block (paged)")
     serve.add_argument("--max-slots", type=positive, default=defaults.max_slots, help="requests running at once")
     serve.add_argument(
         "--max-context", type=positive, default=defaults.max_context, help="prompt + output tokens per request"
@@ -88,7 +96,12 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--kv-budget", type=size, default=defaults.kv_budget, help="physical bytes for the KV cache")
     serve.add_argument("--backend", default=defaults.backend, choices=BACKENDS)
-    serve.add_argument("--kernel", default=defaults.kernel, choices=["auto", *KERNELS], help="attention kernel")
+    serve.add_argument(
+        "--kernel",
+        default=defaults.kernel,
+        choices=["auto", *KERNELS, *PAGED_KERNELS],
+        help="attention kernel (the paged ones with --kv-cache paged)",
+    )
     serve.add_argument(
         "--quantization",
         default=defaults.quantization,
@@ -133,7 +146,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    cli = parser()
+    args = cli.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.api_key:
         log.warning("--api-key shows in `ps` to every user of this machine: use $VATTN_API_KEY or --api-key-file")
@@ -142,10 +156,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     from serving.server.app import build_app
     from serving.server.connections import uvicorn_options
 
-    settings = ServerSettings(
-        engine_config=EngineConfig(
+    try:
+        engine_config = EngineConfig(
             **{f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
-        ),
+        )
+    except ValueError as exc:
+        cli.error(str(exc))
+    settings = ServerSettings(
+        engine_config=engine_config,
         model_name=args.served_model_name,
         # $VATTN_API_KEY is not a default: --help would print it
         api_key=args.api_key or args.api_key_file or os.environ.get("VATTN_API_KEY"),

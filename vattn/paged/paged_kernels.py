@@ -1,0 +1,277 @@
+"""Attention kernels over the paged cache's block table, selectable by name.
+
+The same contract as `vattn.kernels`: one iteration's new tokens packed ragged, `[tokens,
+heads, head_dim]`; a kernel stores their K/V into the request's blocks and returns their
+attention output. What differs is what a kernel must do to find a request's KV:
+
+- `paged` (CPU): vattn's ragged kernel reading rows through the block table
+  (`torch.ops.vattn.paged_attention`, the same code as the virtual cache's `ragged` with
+  only the row address changed), with chunks over `LONG_CHUNK` tokens gathered for SDPA,
+  as `ragged` sends them to SDPA. paper_repro's decode experiment measures it against
+  `paged_gather`. (A torch loop over blocks with an online-softmax merge was not built:
+  it would cost several operators per block per layer, 125 blocks at 2K tokens.)
+- `paged_gather` (CPU or GPU): copies each request's blocks into one contiguous tensor
+  and runs torch SDPA on it; the simplest correct paged path.
+- `paged_flash_attn` (GPU): FlashAttention's `block_table` path (block size a multiple of
+  256, as flash-attn requires).
+- `paged_flashinfer` (GPU): FlashInfer's paged prefill/decode wrappers, one planned call
+  per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vattn.errors import UnavailableError
+from vattn.kernels import (
+    FLASHINFER_WORKSPACE_BYTES,
+    AttentionKernel,
+    import_flashinfer,
+    iteration_rows,
+    require_gpu,
+    sdpa_request,
+)
+from vattn.ops import vattn_ops
+from vattn.paged.paged_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """One iteration's requests on the paged cache; request i owns query rows
+    `[starts[i], starts[i + 1])` and positions `[lengths[i] - new_tokens[i], lengths[i])`."""
+
+    reqids: tuple[int, ...]
+    new_tokens: tuple[int, ...]
+    lengths: tuple[int, ...]
+    starts: tuple[int, ...]
+    token_positions: Tensor
+    """int64 `[tokens]`: position of each new token in its request."""
+    token_rows: Tensor
+    """int64 `[tokens]`: row of each new token in a layer's blocks flattened to `[blocks * block_size]`."""
+    block_table: Tensor
+    """int32 `[batch, max_blocks]` on the cache's device: each request's blocks in order."""
+    host_block_table: Tensor
+    """The same on the host."""
+    wrapper: Any = None
+    """A kernel's own per-iteration state."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.new_tokens)
+
+    def requests(self) -> Iterator[tuple[int, slice, int, int]]:
+        """(index, query rows, new tokens, length) of each request."""
+        for i, (new, length) in enumerate(zip(self.new_tokens, self.lengths, strict=True)):
+            yield i, slice(self.starts[i], self.starts[i + 1]), new, length
+
+
+class PagedKernel(AttentionKernel):
+    """An attention implementation bound to one paged cache and one model's query head count;
+    `forward` (with its checks) is AttentionKernel's, over the layer's blocks."""
+
+    cache: PagedKVCache  # type: ignore[assignment]
+
+    def __init__(self, cache: PagedKVCache, num_query_heads: int) -> None:
+        super().__init__(cache, num_query_heads)  # type: ignore[arg-type]
+
+    def plan(self, reqids: Sequence[int], new_tokens: Sequence[int]) -> PagedBatch:
+        """Checks the iteration against the cache's lengths and builds its index tensors."""
+        if not reqids or len(reqids) != len(new_tokens) or len(set(reqids)) != len(reqids):
+            raise ValueError(f"plan needs distinct reqids and one new-token count each, got {reqids}, {new_tokens}")
+        lengths = self.cache.lengths(reqids)
+        new_tokens, starts = iteration_rows(reqids, new_tokens, lengths)
+        size, device = self.cache.config.block_size, self.cache.device
+        used = max(self.cache.config.blocks_for(n) for n in lengths)
+        host_table = self.cache.block_table[list(reqids), :used].clone()
+        positions = [p for new, n in zip(new_tokens, lengths, strict=True) for p in range(n - new, n)]
+        owners = [i for i, new in enumerate(new_tokens) for _ in range(new)]
+        rows = [int(host_table[i, p // size]) * size + p % size for i, p in zip(owners, positions, strict=True)]
+        batch = PagedBatch(
+            reqids=tuple(reqids),
+            new_tokens=tuple(new_tokens),
+            lengths=tuple(lengths),
+            starts=tuple(starts),
+            token_positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            token_rows=torch.tensor(rows, dtype=torch.int64, device=device),
+            block_table=host_table.to(device),
+            host_block_table=host_table,
+        )
+        return self._planned(batch)
+
+    def _planned(self, batch: PagedBatch) -> PagedBatch:
+        """Hook for per-iteration kernel state."""
+        return batch
+
+    def _layer_kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        return self.cache.layer_blocks(layer)
+
+    @staticmethod
+    def _store(blocks: tuple[Tensor, Tensor], batch: PagedBatch, k: Tensor, v: Tensor) -> None:
+        """Writes the new tokens' K/V into their blocks in one indexed copy per tensor."""
+        for part, new in zip(blocks, (k, v), strict=True):
+            part.flatten(0, 1).index_copy_(0, batch.token_rows, new)
+
+    def _gathered_sdpa(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, i: int, q: Tensor) -> Tensor:
+        """Request i's attention by SDPA over a contiguous copy of its blocks."""
+        length = batch.lengths[i]
+        table = batch.block_table[i, : self.cache.config.blocks_for(length)].long()
+        keys, values = (part[table].flatten(0, 1)[:length] for part in blocks)
+        return sdpa_request(q, keys, values, length, self.scale)
+
+
+class PagedGatherKernel(PagedKernel):
+    name = "paged_gather"
+
+    def _forward(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self._store(blocks, batch, k, v)
+        out = torch.empty_like(q)
+        for i, rows, _, _ in batch.requests():
+            out[rows] = self._gathered_sdpa(blocks, batch, i, q[rows])
+        return out
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    """The native kernel's split of an iteration (as `RaggedPlan`): short requests' int64
+    vectors (first query rows, new tokens, lengths) and block table rows, long chunks' indexes."""
+
+    short: tuple[Tensor, Tensor, Tensor, Tensor] | None
+    long: tuple[int, ...]
+
+
+class PagedNativeKernel(PagedKernel):
+    name = "paged"
+    LONG_CHUNK = 32
+    """As the ragged kernel's: longer chunks are compute-bound and go to torch's flash SDPA."""
+
+    def __init__(self, cache: PagedKVCache, num_query_heads: int) -> None:
+        super().__init__(cache, num_query_heads)
+        if cache.device.type != "cpu":
+            raise UnavailableError(f"the paged kernel runs on the CPU; this cache is on {cache.device}")
+        self._attend = vattn_ops().paged_attention
+
+    def _planned(self, batch: PagedBatch) -> PagedBatch:
+        short = [i for i, new in enumerate(batch.new_tokens) if new <= self.LONG_CHUNK]
+        long = tuple(i for i, new in enumerate(batch.new_tokens) if new > self.LONG_CHUNK)
+        vectors = None
+        if short:
+            columns = (batch.starts, batch.new_tokens, batch.lengths)
+            vectors = (
+                batch.host_block_table[short].contiguous(),
+                *(torch.tensor([column[i] for i in short], dtype=torch.int64) for column in columns),
+            )
+        return replace(batch, wrapper=PagedPlan(vectors, long))  # type: ignore[arg-type]
+
+    def _forward(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self._store(blocks, batch, k, v)
+        plan: PagedPlan = batch.wrapper
+        out = torch.empty_like(q)
+        if plan.short is not None:
+            self._attend(out, q, *blocks, *plan.short, self.scale)
+        for i in plan.long:
+            rows = slice(batch.starts[i], batch.starts[i + 1])
+            out[rows] = self._gathered_sdpa(blocks, batch, i, q[rows])
+        return out
+
+
+class PagedFlashAttnKernel(PagedKernel):
+    """FlashAttention's `flash_attn_with_kvcache` with `block_table`; new K/V appended by the
+    kernel. Decode batches in one call, prefill chunks one request per call."""
+
+    name = "paged_flash_attn"
+
+    def __init__(self, cache: PagedKVCache, num_query_heads: int) -> None:
+        super().__init__(cache, num_query_heads)
+        require_gpu(cache.device, self.name)
+        if cache.config.block_size % 256:
+            raise ValueError(f"flash-attn's paged path needs block_size % 256 == 0, got {cache.config.block_size}")
+        try:
+            from flash_attn import flash_attn_with_kvcache
+        except ImportError as exc:
+            raise UnavailableError(f"the {self.name} kernel needs flash-attn (pip install flash-attn): {exc}") from exc
+        self._attend = flash_attn_with_kvcache
+
+    def _forward(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        cached = torch.tensor(
+            [n - new for n, new in zip(batch.lengths, batch.new_tokens, strict=True)],
+            dtype=torch.int32,
+            device=q.device,
+        )
+        if batch.is_decode:
+            return self._call(blocks, q, k, v, cached, batch.block_table).squeeze(1)
+        out = torch.empty_like(q)
+        for i, rows, _, _ in batch.requests():
+            one = slice(i, i + 1)
+            out[rows] = self._call(
+                blocks, q[rows][None], k[rows][None], v[rows][None], cached[one], batch.block_table[one]
+            )[0]
+        return out
+
+    def _call(
+        self, blocks: tuple[Tensor, Tensor], q: Tensor, k: Tensor, v: Tensor, cached: Tensor, table: Tensor
+    ) -> Tensor:
+        if q.dim() == 3:  # a decode batch: one new token per request
+            q, k, v = q[:, None], k[:, None], v[:, None]
+        return self._attend(
+            q, *blocks, k=k, v=v, cache_seqlens=cached, block_table=table, softmax_scale=self.scale, causal=True
+        )
+
+
+class PagedFlashInferKernel(PagedKernel):
+    """FlashInfer's paged wrappers over the block table (`indptr`/`indices`/`last_page_len`)."""
+
+    name = "paged_flashinfer"
+
+    def __init__(self, cache: PagedKVCache, num_query_heads: int) -> None:
+        super().__init__(cache, num_query_heads)
+        require_gpu(cache.device, self.name)
+        flashinfer = import_flashinfer()
+        workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=cache.device)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+
+    def _planned(self, batch: PagedBatch) -> PagedBatch:
+        cfg, device = self.cache.config, self.cache.device
+        counts = [cfg.blocks_for(n) for n in batch.lengths]
+        indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        indices = torch.cat([batch.block_table[i, :c] for i, c in enumerate(counts)])
+        last = torch.tensor(
+            [n - (c - 1) * cfg.block_size for n, c in zip(batch.lengths, counts, strict=True)],
+            dtype=torch.int32,
+            device=device,
+        )
+        shape = (self.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
+        if batch.is_decode:
+            wrapper = self._decode
+            wrapper.plan(indptr, indices, last, *shape, q_data_type=cfg.dtype, sm_scale=self.scale)
+        else:
+            wrapper = self._prefill
+            rows = torch.tensor(batch.starts, dtype=torch.int32, device=device)
+            wrapper.plan(rows, indptr, indices, last, *shape, causal=True, q_data_type=cfg.dtype, sm_scale=self.scale)
+        return replace(batch, wrapper=wrapper)
+
+    def _forward(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self._store(blocks, batch, k, v)
+        return batch.wrapper.run(q, blocks)
+
+
+PAGED_KERNELS: dict[str, type[PagedKernel]] = {
+    kernel.name: kernel
+    for kernel in (PagedNativeKernel, PagedGatherKernel, PagedFlashAttnKernel, PagedFlashInferKernel)
+}
+
+
+def make_paged_kernel(name: str, cache: PagedKVCache, num_query_heads: int) -> PagedKernel:
+    """The paged kernel called `name` (see PAGED_KERNELS); UnavailableError if it cannot run here."""
+    if name not in PAGED_KERNELS:
+        raise ValueError(f"unknown paged attention kernel {name!r}; available: {', '.join(PAGED_KERNELS)}")
+    return PAGED_KERNELS[name](cache, num_query_heads)
