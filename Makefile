@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 NATIVE := vattn/libvattn_native.so
 OPS := vattn/libvattn_ops.so
 
-.PHONY: setup native model serve test lint bench clean peers peer-vllm peer-llamacpp peer-hf
+.PHONY: setup native model serve test lint bench repro clean peers peer-vllm peer-llamacpp peer-hf
 
 setup: $(STAMP) $(NATIVE) $(OPS) model
 
@@ -54,9 +54,14 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The serving engine's offline throughput against HF transformers (benchmarks/results/). The
+# paper's experiments are paper_repro's modules: `make repro`, or `python -m paper_repro.<name>`.
 bench: setup
-	$(PY) -m benchmarks.map_bandwidth
-	$(PY) -m benchmarks.step_latency
+	$(PY) -m benchmarks.engine_throughput
+
+# The paper's experiments on this machine (paper_repro/results/<device>/).
+repro: setup
+	$(PY) -m paper_repro
 
 clean:
 	rm -rf $(VENV) $(NATIVE) $(OPS) .pytest_cache

@@ -28,9 +28,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def command_line() -> str:
     """The exact command that started this process, as one would type it."""
     argv = list(sys.argv)
-    if argv and argv[0].endswith(".py") and __package__:
-        module = Path(argv[0]).stem
-        argv = ["python", "-m", f"{__package__}.{module}", *argv[1:]]
+    script = Path(argv[0]).resolve() if argv and argv[0].endswith(".py") else None
+    parts = script.relative_to(REPO_ROOT).with_suffix("").parts if script and script.is_relative_to(REPO_ROOT) else ()
+    if len(parts) > 1 and (REPO_ROOT / parts[0] / "__init__.py").exists():
+        # A module of this repository's packages (benchmarks.X, paper_repro.X, paper_repro's __main__).
+        module = ".".join(parts).removesuffix(".__main__")
+        argv = ["python", "-m", module, *argv[1:]]
     else:
         argv = ["python", *argv]
     return shlex.join(argv)

@@ -1,5 +1,6 @@
-"""Shared by the mapping-bandwidth benchmarks (host and CUDA): batches of pages, timed runs
-repeated per page size and call path, their medians, table columns and page-size figures."""
+"""Shared by the allocation-bandwidth experiments (Table 7: `allocation` on the host,
+`gpu_allocation` on CUDA): batches of pages, timed runs repeated per page size and call
+path, their medians, table columns and page-size figures."""
 
 from __future__ import annotations
 

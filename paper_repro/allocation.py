@@ -1,4 +1,4 @@
-"""Physical mapping bandwidth of the host backend (the paper's Table 7, on Linux).
+"""Table 7, allocation bandwidth: physical mapping bandwidth of the host backend (on Linux).
 
 For each page size and each call path (the C batch call, "native", or one ctypes call
 per page), a new `HostBackend` (a new memfd, so its pages were never touched) maps and
@@ -10,7 +10,10 @@ consecutive pool pages go to different tensors. GB/s = bytes / (map + populate s
 The same run measures what the machine can fill: `fill_` over already-faulted memory
 and first-touch fills of fresh anonymous and fresh memfd mappings.
 
-    python -m benchmarks.map_bandwidth [--reps 7] [--page-sizes 4K,64K,256K,2M]
+    python -m paper_repro.allocation [--quick] [--reps 7] [--page-sizes 4K,64K,256K,2M]
+
+`--quick` maps 4 MiB of 64K and 2M pages once each (a few seconds). The GPU version is
+paper_repro.gpu_allocation.
 """
 
 from __future__ import annotations
@@ -30,9 +33,7 @@ matplotlib.use("Agg")
 import torch
 from tqdm import tqdm
 
-from benchmarks import _mapping as mapping
 from benchmarks._common import (
-    RESULTS_DIR,
     CpuShare,
     command_line,
     machine_facts,
@@ -41,9 +42,14 @@ from benchmarks._common import (
     save_figure,
     write_results,
 )
+from paper_repro import _mapping as mapping
+from paper_repro._harness import results_dir
 from vattn.backends.host import MAP_COUNT_HEADROOM, HostBackend, current_map_count, max_map_count
 from vattn.backends.native import native_available
 from vattn.sizes import MiB, parse_size, size_label
+
+QUICK = {"page_sizes": "64K,2M", "total": "4M", "small_total": "4M", "reps": 1, "prewarm_mib": 0}
+"""The defaults `--quick` sets."""
 
 
 def pages_for_run(page_size: int, total: int) -> int:
@@ -226,9 +232,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=1024,
         help="touch and free this much memory first, so 'fresh' is not the VM's first touch (0: off)",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
-    parser.add_argument("--name", default="map_bandwidth", help="file name stem of the results")
+    parser.add_argument("--out", type=Path, default=results_dir(), help="results folder")
+    parser.add_argument("--name", default="allocation", help="file name stem of the results")
+    parser.add_argument("--quick", action="store_true", help=f"tiny sizes (options given still win): {QUICK}")
     args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
 
     page_sizes = [parse_size(p) for p in args.page_sizes.split(",")]
     paths = [p.strip() for p in args.paths.split(",")]
@@ -249,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         page_sizes,
         paths,
         lambda ps, path: one_run(ps, pages[ps], native=(path == "native"), batch=args.batch),
-        desc="map bandwidth",
+        desc="allocation",
     )
     meta["cpu_during_mapping"] = cpu_map.stop()
     fills: dict[str, dict[str, float]] = {}

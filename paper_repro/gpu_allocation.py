@@ -1,4 +1,4 @@
-"""Physical mapping bandwidth of the CUDA backend (the paper's Table 7, on a GPU).
+"""Table 7 on a GPU, allocation bandwidth: physical mapping bandwidth of the CUDA backend.
 
 For each page size (a multiple of the 2 MiB CUDA granularity) and each call path, a new
 `CudaBackend` works through `--total` bytes of device memory in pages:
@@ -17,7 +17,10 @@ bindings, per page). Unmap and release times per page are recorded too. After ea
 the recycled mapping is written through a torch view and read back (not timed), so a
 mapping that does not work fails loudly. Median of `--reps` runs.
 
-    python -m benchmarks.gpu_mapping [--page-sizes 2M,4M,8M,16M,32M] [--total 4G] [--reps 5]
+    python -m paper_repro.gpu_allocation [--quick] [--page-sizes 2M,4M,8M,16M,32M] [--total 4G] [--reps 5]
+
+`--quick` maps 64 MiB of 2M and 4M pages once each. Results go to
+`paper_repro/results/<device>/gpu_allocation.*`; the host version is paper_repro.allocation.
 
 Without a CUDA GPU and cuda-python it prints why and exits with status 2.
 """
@@ -36,9 +39,10 @@ import matplotlib
 matplotlib.use("Agg")
 import torch
 
-from benchmarks import _mapping as mapping
-from benchmarks._common import RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
+from benchmarks._common import command_line, machine_facts, print_table, save_figure, write_results
 from benchmarks._gpu import cannot_run, exit_unless_cuda, gpu_facts
+from paper_repro import _mapping as mapping
+from paper_repro._harness import results_dir
 from vattn.errors import UnavailableError
 from vattn.sizes import MiB, parse_size, size_label
 
@@ -48,6 +52,8 @@ if TYPE_CHECKING:
 PATHS = ("native", "cuda-python")
 FREE_SHARE = 0.8
 """At most this share of the GPU's free memory is mapped in one run."""
+QUICK = {"page_sizes": "2M,4M", "total": "64M", "reps": 1}
+"""The defaults `--quick` sets."""
 
 
 def cuda_backend(page_size: int, pages: int, path: str) -> CudaBackend:
@@ -204,9 +210,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=64, help="pages per map/unmap call (64 = 32 layers x K,V)")
     parser.add_argument("--paths", default=",".join(PATHS), help="call paths: native and/or cuda-python")
     parser.add_argument("--no-verify", action="store_true", help="skip the write/read-back check after each run")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
-    parser.add_argument("--name", default="gpu_mapping", help="file name stem of the results")
+    parser.add_argument("--out", type=Path, default=results_dir(), help="results folder")
+    parser.add_argument("--name", default="gpu_allocation", help="file name stem of the results")
+    parser.add_argument("--quick", action="store_true", help=f"tiny sizes (options given still win): {QUICK}")
     args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
     page_sizes = [parse_size(p) for p in args.page_sizes.split(",")]
     paths = [p.strip() for p in args.paths.split(",")]
     if unknown := set(paths) - set(PATHS):
@@ -238,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         page_sizes,
         paths,
         lambda ps, path: one_run(ps, pages[ps], path, args.batch, verify=not args.no_verify),
-        desc="gpu mapping",
+        desc="gpu allocation",
     )
 
     summary = summarize(raw)

@@ -1,6 +1,7 @@
-"""step() latency on the critical path of a decode loop, synchronous vs background mapping.
+"""Fig. 10, latency hiding: step() latency on the critical path of a decode loop,
+synchronous vs background mapping.
 
-The paper's Fig. 10 on the host: 32 requests decode one token per iteration through a
+On the host: 32 requests decode one token per iteration through a
 30-layer SmolLM2-135M-shaped KV cache (3 KV heads x 64, float16, 64 KiB pages, so ~170
 tokens per page and a page boundary every few iterations somewhere in the batch). Each
 iteration calls `step()` (timed), writes the new token's K and V into every layer
@@ -22,11 +23,13 @@ on the current stream (a loop of 4096^2 bf16 matmuls calibrated once to about
 into every layer through the cache (the whole virtual tensors + one indexed write per tensor, queued
 behind the matmuls), then `torch.cuda.synchronize()`, as an engine waits for the sampled
 tokens. Background mapping overlaps the GPU's work; synchronous mapping sits on the host's
-critical path. Results default to `gpu_step_latency.*`; without a GPU (or cuda-python) it
-prints why and exits with status 2.
+critical path. Results default to `gpu_latency_hiding.*` (in `paper_repro/results/<device>/`);
+without a GPU (or cuda-python) it prints why and exits with status 2.
 
-    python -m benchmarks.step_latency [--iterations 1500] [--page-size 64K] [--compute-ms 3]
-    python -m benchmarks.step_latency --backend cuda [--iterations 1500] [--compute-ms 3]
+    python -m paper_repro.latency_hiding [--quick] [--iterations 1500] [--page-size 64K] [--compute-ms 3]
+    python -m paper_repro.latency_hiding --backend cuda [--quick] [--iterations 1500] [--compute-ms 3]
+
+`--quick`: 50 iterations of 8 requests, 1 ms of compute, no prewarm (a few seconds).
 """
 
 from __future__ import annotations
@@ -50,7 +53,6 @@ import torch
 from tqdm import tqdm
 
 from benchmarks._common import (
-    RESULTS_DIR,
     CpuShare,
     command_line,
     machine_facts,
@@ -60,6 +62,7 @@ from benchmarks._common import (
     write_results,
 )
 from benchmarks._gpu import exit_unless_cuda, gpu_facts
+from paper_repro._harness import results_dir
 from vattn import KVCache, KVCacheConfig
 from vattn.backends.host import MAP_COUNT_HEADROOM, current_map_count, max_map_count
 from vattn.config import DTYPES
@@ -77,7 +80,9 @@ BACKEND_DEFAULTS: dict[str, dict[str, Any]] = {
     # Llama-3-8B's KV shape on the 2 MiB CUDA granularity (1,024 tokens per page).
     "cuda": {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "page_size": 2 * MiB},
 }
-RESULT_NAMES = {"host": "step_latency", "cuda": "gpu_step_latency"}
+RESULT_NAMES = {"host": "latency_hiding", "cuda": "gpu_latency_hiding"}
+QUICK = {"iterations": 50, "slots": 8, "compute_ms": 1.0, "prewarm_mib": 0}
+"""The defaults `--quick` sets."""
 CACHE_ARGS = {
     "num_layers": "layers",
     "num_kv_heads": "kv_heads",
@@ -464,13 +469,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         "(-1: 1.25 x the pool budget on the host backend, off on cuda; 0: off)",
     )
     parser.add_argument("--no-gc", action="store_true", help="disable Python's cyclic GC in the measured loop")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
+    parser.add_argument("--out", type=Path, default=results_dir(), help="results folder")
     parser.add_argument(
         "--name",
         default=None,
         help=f"file name stem of the results (default {RESULT_NAMES['host']}, or {RESULT_NAMES['cuda']} on cuda)",
     )
+    parser.add_argument("--quick", action="store_true", help=f"tiny sizes (options given still win): {QUICK}")
     args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
     for key, value in BACKEND_DEFAULTS[args.backend].items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -1,0 +1,144 @@
+"""Fig. 8 / Table 6, prefill: prompt tokens/s and time to first token against context
+length at batch 1, virtual against paged, per kernel.
+
+- attention alone: one layer's causal attention over the whole prompt. The virtual cache
+  runs torch SDPA (its flash kernel) on the slot's contiguous view; the paged cache must
+  first gather its blocks (16 or 128 tokens) into one tensor, the only way to reach an
+  unmodified kernel. The default model's shapes up to 8K tokens and the paper's three
+  models' shapes at the largest context that fits the time here.
+- the model: time to first token of `LLM.generate` with `--kv-cache virtual|paged`
+  (chunked prefill of 256 tokens, default kernels), best of `--rounds`.
+
+    python -m paper_repro prefill [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+from tqdm import tqdm
+
+from benchmarks._common import command_line, machine_facts, print_table, save_figure, write_results
+from paper_repro._harness import (
+    DEFAULT_MODEL,
+    PAPER_MODELS,
+    ModelShape,
+    Variant,
+    attention_call,
+    median_seconds,
+    results_dir,
+)
+from serving import LLM, SamplingParams
+
+VARIANTS = (Variant("virtual", "sdpa"), Variant("paged", "paged_gather", 16), Variant("paged", "paged_gather", 128))
+
+
+def attention_rows(shapes: list[tuple[ModelShape, int]], repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    for shape, context in tqdm(shapes, desc="prefill attention"):
+        for variant in VARIANTS:
+            seconds = median_seconds(attention_call(variant, shape, 1, context, context, torch.float32), repeats)
+            rows.append(
+                {
+                    "table": "attention",
+                    "model": shape.name,
+                    "context": context,
+                    "variant": variant.label,
+                    "ms": 1000 * seconds,
+                    "tokens_per_s": context / seconds,
+                }
+            )
+    return _with_ratio(rows, ("model", "context"), "ms")
+
+
+def model_rows(contexts: list[int], rounds: int) -> list[dict[str, Any]]:
+    rows = []
+    for kv_cache in tqdm(("virtual", "paged"), desc="prefill model"):
+        llm = LLM(kv_cache=kv_cache, max_slots=2, max_context=max(contexts) + 8, kv_budget=512 << 20)
+        vocab = llm.tokenizer.vocab_size
+        for context in contexts:
+            ids = torch.randint(100, vocab, (context,), generator=torch.Generator().manual_seed(context)).tolist()
+            best = float("inf")
+            for _ in range(rounds):
+                start = time.perf_counter()
+                llm.generate([ids], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+                best = min(best, time.perf_counter() - start)
+            rows.append(
+                {
+                    "table": "model",
+                    "model": DEFAULT_MODEL.name,
+                    "context": context,
+                    "variant": kv_cache,
+                    "ms": 1000 * best,
+                    "tokens_per_s": context / best,
+                }
+            )
+        llm.close()
+    return _with_ratio(rows, ("model", "context"), "ms")
+
+
+def _with_ratio(rows: list[dict[str, Any]], keys: tuple[str, ...], metric: str) -> list[dict[str, Any]]:
+    """Adds `vs_virtual`: each row's `metric` over the virtual row's with the same `keys`."""
+    virtual = {tuple(r[k] for k in keys): r[metric] for r in rows if r["variant"].startswith("virtual")}
+    return [r | {"vs_virtual": r[metric] / virtual[tuple(r[k] for k in keys)]} for r in rows]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=results_dir(), help="results folder")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.quick:
+        shapes, contexts, args.repeats, args.rounds = [(DEFAULT_MODEL, 256)], [128], 1, 1
+    else:
+        shapes = [(DEFAULT_MODEL, n) for n in (1024, 2048, 4096, 8192)] + [(m, 2048) for m in PAPER_MODELS]
+        contexts = [1024, 2048, 4096]
+    rows = attention_rows(shapes, args.repeats) + model_rows(contexts, args.rounds)
+    csv_path, json_path, png_path = write_results(
+        args.out,
+        "prefill",
+        rows,
+        {"command": command_line(), "machine": machine_facts(), "args": vars(args), "rows": rows},
+    )
+    columns = [
+        ("model", "model", 12, ""),
+        ("context", "context", 8, ""),
+        ("variant", "variant", 22, ""),
+        ("ms", "ms", 9, ".1f"),
+        ("tok/s", "tokens_per_s", 9, ".0f"),
+        ("x virtual", "vs_virtual", 9, ".2f"),
+    ]
+    print_table([r for r in rows if r["table"] == "attention"], columns, "prefill attention, one layer, batch 1")
+    print_table([r for r in rows if r["table"] == "model"], columns, "time to first token, the default model")
+    plot(rows, png_path)
+    print(f"\nwrote {csv_path}, {json_path}, {png_path}")
+
+
+def plot(rows: list[dict[str, Any]], path: Any) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for axis, table in ((left, "attention"), (right, "model")):
+        chosen = [r for r in rows if r["table"] == table and r["model"] == DEFAULT_MODEL.name]
+        for variant in dict.fromkeys(r["variant"] for r in chosen):
+            points = [r for r in chosen if r["variant"] == variant]
+            axis.plot([r["context"] for r in points], [r["tokens_per_s"] for r in points], marker="o", label=variant)
+        axis.set_xlabel("prompt tokens")
+        axis.set_ylabel("prompt tokens/s")
+        axis.legend(fontsize=7)
+    left.set_title("one layer's attention")
+    right.set_title("the model: prompt / time to first token")
+    save_figure(fig, path, command_line())
+
+
+if __name__ == "__main__":
+    main()
