@@ -59,12 +59,14 @@ def measured(kind: str, unit: int, context: int, budget: int, slots: int) -> dic
     """The same figures from the real caches for the default model (fp32)."""
     shape = DEFAULT_MODEL
     common = {"num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim}
+    tokens_per_page = unit // per_layer_token_bytes(shape, 4) if kind == "virtual" else unit
+    context_room = max(context, tokens_per_page + 1)  # the probe goes one token past a page
     if kind == "virtual":
         cache: KVCache | PagedKVCache = KVCache(
             KVCacheConfig(
                 **common,
                 max_slots=slots,
-                max_context=context,
+                max_context=context_room,
                 dtype="float32",
                 page_size=unit,
                 memory_budget=budget,
@@ -72,14 +74,17 @@ def measured(kind: str, unit: int, context: int, budget: int, slots: int) -> dic
                 eager_pages=0,
             )
         )
-        tokens_per_page = unit // per_layer_token_bytes(shape, 4)
     else:
         cache = PagedKVCache(
             PagedKVCacheConfig(
-                **common, max_slots=slots, max_context=context, dtype="float32", block_size=unit, memory_budget=budget
+                **common,
+                max_slots=slots,
+                max_context=context_room,
+                dtype="float32",
+                block_size=unit,
+                memory_budget=budget,
             )
         )
-        tokens_per_page = unit
     probe = cache.alloc_reqid()
     cache.step({probe: tokens_per_page + 1})  # one token into a second page: the worst case
     waste = cache.stats().waste_bytes
