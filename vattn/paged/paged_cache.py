@@ -6,6 +6,10 @@ request owns a list of blocks, in any order; its row of the block table says whi
 kernels must follow it. The lifecycle is the virtual cache's (alloc_reqid, step,
 free_reqid; OutOfPagesError when blocks run out, nothing changed), so the engine drives
 either one. The engine thread owns it: it takes no lock.
+
+Nothing is ever unmapped: the blocks are one tensor that lives while anything references
+it, and `kv()` returns copies, so no caller holds a view into a block that a freed request
+gave back to the pool.
 """
 
 from __future__ import annotations

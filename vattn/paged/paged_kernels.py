@@ -80,9 +80,6 @@ class PagedKernel(AttentionKernel):
 
     cache: PagedKVCache  # type: ignore[assignment]
 
-    def __init__(self, cache: PagedKVCache, num_query_heads: int) -> None:
-        super().__init__(cache, num_query_heads)  # type: ignore[arg-type]
-
     def plan(self, reqids: Sequence[int], new_tokens: Sequence[int]) -> PagedBatch:
         """Checks the iteration against the cache's lengths and builds its index tensors."""
         if not reqids or len(reqids) != len(new_tokens) or len(set(reqids)) != len(reqids):
@@ -92,24 +89,22 @@ class PagedKernel(AttentionKernel):
         size, device = self.cache.config.block_size, self.cache.device
         used = max(self.cache.config.blocks_for(n) for n in lengths)
         host_table = self.cache.block_table[list(reqids), :used].clone()
-        positions = [p for new, n in zip(new_tokens, lengths, strict=True) for p in range(n - new, n)]
-        owners = [i for i, new in enumerate(new_tokens) for _ in range(new)]
-        rows = [int(host_table[i, p // size]) * size + p % size for i, p in zip(owners, positions, strict=True)]
+        positions = torch.tensor(
+            [p for new, n in zip(new_tokens, lengths, strict=True) for p in range(n - new, n)], dtype=torch.int64
+        )
+        owners = torch.repeat_interleave(torch.arange(len(new_tokens)), torch.tensor(new_tokens))
+        rows = host_table[owners, positions // size].long() * size + positions % size
         batch = PagedBatch(
             reqids=tuple(reqids),
             new_tokens=tuple(new_tokens),
             lengths=tuple(lengths),
             starts=tuple(starts),
-            token_positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            token_rows=torch.tensor(rows, dtype=torch.int64, device=device),
+            token_positions=positions.to(device),
+            token_rows=rows.to(device),
             block_table=host_table.to(device),
             host_block_table=host_table,
         )
         return self._planned(batch)
-
-    def _planned(self, batch: PagedBatch) -> PagedBatch:
-        """Hook for per-iteration kernel state."""
-        return batch
 
     def _layer_kv(self, layer: int) -> tuple[Tensor, Tensor]:
         return self.cache.layer_blocks(layer)
