@@ -1,4 +1,4 @@
-"""Decode attention latency on vAttention's virtual KV tensors vs. paged KV caches.
+"""Fig. 9 on a GPU: decode attention latency on vAttention's virtual KV tensors vs. paged KV caches.
 
 Llama-3-8B attention shapes (32 query heads, 8 KV heads, head dim 128, bfloat16), one
 layer, every request holding `--context` cached tokens (16K). One decode step per call:
@@ -31,7 +31,7 @@ sees). Median of `--iters` after `--warmup`. Each variant's output for its first
 request is checked against a float32 reference over what its cache holds, and the new
 K/V against what was appended; a failed check makes the run exit with status 1.
 
-    python -m benchmarks.decode_attention [--batches 1,2,4,8,16,32] [--context 16384] [--iters 100]
+    python -m paper_repro.gpu_decode [--batches 1,2,4,8,16,32] [--context 16384] [--iters 100]
 
 A variant whose library (flash-attn, flashinfer, cuda-python) is missing is skipped with
 the reason recorded; without a CUDA GPU, or with no variant able to run, it prints why and
@@ -61,8 +61,9 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm import tqdm
 
-from benchmarks._common import RESULTS_DIR, command_line, machine_facts, save_figure, write_results
+from benchmarks._common import command_line, machine_facts, save_figure, write_results
 from benchmarks._gpu import cannot_run, exit_unless_cuda, gpu_facts, package_version
+from paper_repro._harness import results_dir
 from vattn.errors import UnavailableError
 from vattn.kernels import FLASHINFER_WORKSPACE_BYTES
 from vattn.sizes import MiB, parse_size, size_label
@@ -419,8 +420,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=10, help="untimed calls first")
     parser.add_argument("--sleep-us", type=float, default=1000, help="GPU sleep queued before each device-time call")
     parser.add_argument("--no-flush-l2", action="store_true", help="keep the L2 cache warm between calls")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
-    parser.add_argument("--name", default="gpu_decode_attention", help="file name stem of the results")
+    parser.add_argument("--out", type=Path, default=results_dir(), help="results directory")
+    parser.add_argument("--name", default="gpu_decode", help="file name stem of the results")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
