@@ -4,7 +4,8 @@ context, virtual against paged with blocks of 16 and 128.
 - attention alone: one layer's decode attention (one new token per request, its K/V
   stored first) for every request at `--context` tokens. Virtual: vattn's `ragged` kernel
   on the slots' contiguous rows. Paged: `paged`, the same native kernel reading rows
-  through the block table, and `paged_gather`, blocks gathered for torch SDPA.
+  through the block table; `paged_gather`, blocks gathered for torch SDPA; and
+  `paged_blockwise`, blocks attended one at a time in torch with an online-softmax merge.
 - the model: decode tokens/s of the engine with `--kv-cache virtual|paged` (default
   kernels), every request at about `--model-context` tokens.
 
@@ -36,6 +37,7 @@ VARIANTS = (
     Variant("paged", "paged", 16),
     Variant("paged", "paged", 128),
     Variant("paged", "paged_gather", 16),
+    Variant("paged", "paged_blockwise", 16),
 )
 
 
@@ -100,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--model-context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=24)
     args = parser.parse_args(argv)
     batches, model_batches = [1, 2, 4, 8, 16, 32], [1, 8, 32]
     if args.quick:

@@ -12,7 +12,7 @@ from conftest import SMALL_SHAPE
 from vattn import OutOfPagesError, OutOfSlotsError, UnavailableError
 from vattn.paged import PAGED_KERNELS, PagedKVCache, PagedKVCacheConfig, make_paged_kernel
 
-CPU_PAGED_KERNELS = ["paged", "paged_gather"]
+CPU_PAGED_KERNELS = ["paged", "paged_gather", "paged_blockwise"]
 
 
 def paged_cache(**overrides: Any) -> PagedKVCache:

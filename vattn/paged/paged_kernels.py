@@ -7,11 +7,12 @@ attention output. What differs is what a kernel must do to find a request's KV:
 - `paged` (CPU): vattn's ragged kernel reading rows through the block table
   (`torch.ops.vattn.paged_attention`, the same code as the virtual cache's `ragged` with
   only the row address changed), with chunks over `LONG_CHUNK` tokens gathered for SDPA,
-  as `ragged` sends them to SDPA. paper_repro's decode experiment measures it against
-  `paged_gather`. (A torch loop over blocks with an online-softmax merge was not built:
-  it would cost several operators per block per layer, 125 blocks at 2K tokens.)
+  as `ragged` sends them to SDPA. The fastest paged path here: paper_repro's decode
+  experiment measures it against the two below.
 - `paged_gather` (CPU or GPU): copies each request's blocks into one contiguous tensor
   and runs torch SDPA on it; the simplest correct paged path.
+- `paged_blockwise` (CPU or GPU): decodes attended block by block with an online-softmax
+  merge in torch operators, all requests at once (~10 operators per block per layer).
 - `paged_flash_attn` (GPU): FlashAttention's `block_table` path (block size a multiple of
   256, as flash-attn requires).
 - `paged_flashinfer` (GPU): FlashInfer's paged prefill/decode wrappers, one planned call
@@ -132,6 +133,52 @@ class PagedGatherKernel(PagedKernel):
         for i, rows, _, _ in batch.requests():
             out[rows] = self._gathered_sdpa(blocks, batch, i, q[rows])
         return out
+
+
+class PagedBlockwiseKernel(PagedKernel):
+    """Decodes attended block by block in torch, all requests at once, merged with an online
+    softmax (the block-table loop a paged kernel runs, written with torch operators); chunks
+    of more than one token are gathered for SDPA."""
+
+    name = "paged_blockwise"
+
+    def _forward(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self._store(blocks, batch, k, v)
+        out = torch.empty_like(q)
+        decodes = [i for i, new in enumerate(batch.new_tokens) if new == 1]
+        if decodes:
+            rows = torch.tensor([batch.starts[i] for i in decodes], device=q.device)
+            out[rows] = self._blockwise(blocks, batch, decodes, q[rows])
+        for i, rows_of_i, new, _ in batch.requests():
+            if new > 1:
+                out[rows_of_i] = self._gathered_sdpa(blocks, batch, i, q[rows_of_i])
+        return out
+
+    def _blockwise(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, requests: list[int], q: Tensor) -> Tensor:
+        """Attention of one query row per request `[requests, heads, dim]` over their blocks."""
+        cfg = self.cache.config
+        count, heads, dim = q.shape
+        size, kv_heads = cfg.block_size, cfg.num_kv_heads
+        table = batch.block_table[requests].long()
+        lengths = torch.tensor([batch.lengths[i] for i in requests], device=q.device)
+        query = q.view(count, kv_heads, heads // kv_heads, dim).float() * self.scale
+        top = torch.full(query.shape[:-1], float("-inf"), device=q.device)
+        total = torch.zeros_like(top)
+        acc = torch.zeros_like(query)
+        offsets = torch.arange(size, device=q.device)
+        for j in range(cfg.blocks_for(max(batch.lengths[i] for i in requests))):
+            keys, values = (part[table[:, j]].float() for part in blocks)  # [requests, size, kv_heads, dim]
+            scores = torch.einsum("bhgd,bthd->bhgt", query, keys)
+            seen = (j * size + offsets)[None] < lengths[:, None]  # every request sees block 0's first key
+            scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+            new_top = torch.maximum(top, scores.amax(-1))
+            kept = torch.exp(top - new_top)
+            weights = torch.exp(scores - new_top[..., None])
+            total = total * kept + weights.sum(-1)
+            values = values.masked_fill(~seen[..., None, None], 0)  # 0 x a stale NaN would be NaN
+            acc = acc * kept[..., None] + torch.einsum("bhgt,bthd->bhgd", weights, values)
+            top = new_top
+        return (acc / total[..., None]).view(count, heads, dim).to(q.dtype)
 
 
 @dataclass(frozen=True)
@@ -261,7 +308,13 @@ class PagedFlashInferKernel(PagedKernel):
 
 PAGED_KERNELS: dict[str, type[PagedKernel]] = {
     kernel.name: kernel
-    for kernel in (PagedNativeKernel, PagedGatherKernel, PagedFlashAttnKernel, PagedFlashInferKernel)
+    for kernel in (
+        PagedNativeKernel,
+        PagedGatherKernel,
+        PagedBlockwiseKernel,
+        PagedFlashAttnKernel,
+        PagedFlashInferKernel,
+    )
 }
 
 
