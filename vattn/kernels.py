@@ -208,6 +208,12 @@ class SdpaKernel(AttentionKernel):
         return out
 
 
+def split_long_chunks(new_tokens: Sequence[int], long_chunk: int) -> tuple[list[int], tuple[int, ...]]:
+    """Indexes of the requests with at most `long_chunk` new tokens, and of the others."""
+    short = [i for i, new in enumerate(new_tokens) if new <= long_chunk]
+    return short, tuple(i for i, new in enumerate(new_tokens) if new > long_chunk)
+
+
 @dataclass(frozen=True)
 class RaggedPlan:
     """The ragged kernel's split of an iteration: short requests for its one call, as int64
@@ -236,8 +242,7 @@ class RaggedKernel(AttentionKernel):
         self._attend = vattn_ops().ragged_attention
 
     def _planned(self, batch: AttentionBatch) -> AttentionBatch:
-        short = [i for i, new in enumerate(batch.new_tokens) if new <= self.LONG_CHUNK]
-        long = tuple(i for i, new in enumerate(batch.new_tokens) if new > self.LONG_CHUNK)
+        short, long = split_long_chunks(batch.new_tokens, self.LONG_CHUNK)
         vectors = None
         if short:
             vectors = tuple(

@@ -32,10 +32,12 @@ from vattn.errors import UnavailableError
 from vattn.kernels import (
     FLASHINFER_WORKSPACE_BYTES,
     AttentionKernel,
+    RaggedKernel,
     import_flashinfer,
     iteration_rows,
     require_gpu,
     sdpa_request,
+    split_long_chunks,
 )
 from vattn.ops import vattn_ops
 from vattn.paged.paged_cache import PagedKVCache
@@ -192,7 +194,7 @@ class PagedPlan:
 
 class PagedNativeKernel(PagedKernel):
     name = "paged"
-    LONG_CHUNK = 32
+    LONG_CHUNK = RaggedKernel.LONG_CHUNK
     """As the ragged kernel's: longer chunks are compute-bound and go to torch's flash SDPA."""
 
     def __init__(self, cache: PagedKVCache, num_query_heads: int) -> None:
@@ -202,8 +204,7 @@ class PagedNativeKernel(PagedKernel):
         self._attend = vattn_ops().paged_attention
 
     def _planned(self, batch: PagedBatch) -> PagedBatch:
-        short = [i for i, new in enumerate(batch.new_tokens) if new <= self.LONG_CHUNK]
-        long = tuple(i for i, new in enumerate(batch.new_tokens) if new > self.LONG_CHUNK)
+        short, long = split_long_chunks(batch.new_tokens, self.LONG_CHUNK)
         vectors = None
         if short:
             columns = (batch.starts, batch.new_tokens, batch.lengths)
