@@ -6,16 +6,21 @@ from __future__ import annotations
 import re
 import statistics
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
-from vattn import KVCache, KVCacheConfig
+from serving import LLM
+from vattn import KVCache, KVCacheConfig, UnavailableError
+from vattn.config import DTYPES
 from vattn.kernels import make_kernel
 from vattn.paged import PagedKVCache, PagedKVCacheConfig, make_paged_kernel
 
+Key = TypeVar("Key")
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 
 
@@ -46,29 +51,114 @@ PAPER_MODELS = (
 @dataclass(frozen=True)
 class Variant:
     """One way to hold the KV: `virtual` with a kernel of vattn.kernels, or `paged` with a
-    block size and a kernel of vattn.paged."""
+    block size and a kernel of vattn.paged. A paged variant is compared with the virtual one
+    of its `family` (the same attention library on both sides)."""
 
     cache: str
     kernel: str
     block_size: int = 16
+    family: str = "cpu"
 
     @property
     def label(self) -> str:
         return f"virtual/{self.kernel}" if self.cache == "virtual" else f"paged{self.block_size}/{self.kernel}"
 
 
+CUDA_VARIANTS = (
+    Variant("virtual", "flash_attn", family="flash_attn"),
+    Variant("paged", "paged_flash_attn", 256, family="flash_attn"),
+    Variant("virtual", "flashinfer_paged", family="flashinfer"),
+    Variant("paged", "paged_flashinfer", 16, family="flashinfer"),
+)
+"""On a GPU, each kernel family on either cache; flash-attn's paged path needs blocks of 256."""
+UNAVAILABLE = (UnavailableError, ImportError)
+"""What a variant raises when its library or device is not here: it is skipped, with the reason."""
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def model_dtype() -> str:
+    """The experiments' precision, the model's and the attention's: bfloat16 on a GPU (as
+    the paper), float32 on the CPU."""
+    return "bfloat16" if on_gpu() else "float32"
+
+
+def make_llm(variant: Variant, **sizes: Any) -> LLM:
+    """The default model's engine on the variant's cache and kernel, on the GPU if there is one."""
+    return LLM(
+        dtype=model_dtype(),
+        kv_cache=variant.cache,
+        kernel=variant.kernel,
+        block_size=variant.block_size,
+        backend="cuda" if on_gpu() else "host",
+        **sizes,
+    )
+
+
+def with_ratio(rows: list[dict[str, Any]], keys: tuple[str, ...], metric: str) -> list[dict[str, Any]]:
+    """Adds `vs_virtual` to measured rows: `metric` over the virtual row's of the same family
+    and `keys`."""
+    virtual = {
+        (r["family"], *(r[k] for k in keys)): r[metric]
+        for r in rows
+        if r["status"] == "ok" and r["variant"].startswith("virtual")
+    }
+    return [
+        r | {"vs_virtual": r[metric] / virtual[(r["family"], *(r[k] for k in keys))]}
+        if r["status"] == "ok" and (r["family"], *(r[k] for k in keys)) in virtual
+        else r
+        for r in rows
+    ]
+
+
+def measured(variant: Variant, **figures: Any) -> dict[str, Any]:
+    return {"variant": variant.label, "family": variant.family, "status": "ok", **figures}
+
+
+def unmeasured(variant: Variant, exc: Exception, **keys: Any) -> dict[str, Any]:
+    """The row of a variant that could not run: `skipped` when its library or device is not
+    here, `failed` (traceback printed) when it broke; the other variants still run."""
+    status = "skipped" if isinstance(exc, UNAVAILABLE) else "failed"
+    if status == "failed":
+        traceback.print_exc()
+    return {"variant": variant.label, "family": variant.family, "status": status, **keys} | {
+        "reason": f"{type(exc).__name__}: {exc}"
+    }
+
+
+def report_unmeasured(rows: list[dict[str, Any]]) -> None:
+    """Prints each skipped or failed variant once; exits with status 1 if any failed."""
+    unmeasured = {(r["variant"], r["status"], r["reason"]) for r in rows if r["status"] != "ok"}
+    for variant, status, reason in sorted(unmeasured):
+        print(f"{status} {variant}: {reason}")
+    if any(status == "failed" for _, status, _ in unmeasured):
+        raise SystemExit(1)
+
+
 def attention_call(
-    variant: Variant, shape: ModelShape, batch: int, context: int, new_tokens: int, dtype: torch.dtype
+    variant: Variant, shape: ModelShape, batch: int, context: int, new_tokens: int
 ) -> Callable[[], torch.Tensor]:
     """One layer's attention for `batch` requests at `context` tokens whose last `new_tokens`
-    are this iteration's: caches stepped and the batch planned outside the returned call.
+    are this iteration's: caches stepped and the batch planned outside the returned call. On
+    the GPU when there is one (the virtual cache on the CUDA backend), else on the host.
 
     The paged cache's requests grow interleaved, a block each in turn, so their blocks are
     scattered as in a server that has run a while (at batch 1 they stay in order)."""
-    generator = torch.Generator().manual_seed(0)
+    device, dtype = "cuda" if on_gpu() else "cpu", DTYPES[model_dtype()]
     if variant.cache == "virtual":
         cache: KVCache | PagedKVCache = KVCache(
-            KVCacheConfig(1, shape.num_kv_heads, shape.head_dim, batch, context, dtype=dtype, background=False)
+            KVCacheConfig(
+                1,
+                shape.num_kv_heads,
+                shape.head_dim,
+                batch,
+                context,
+                dtype=dtype,
+                backend="cuda" if device == "cuda" else "host",
+                background=False,
+            )
         )
         reqids = [cache.alloc_reqid() for _ in range(batch)]
         cache.step(dict.fromkeys(reqids, context))
@@ -76,7 +166,14 @@ def attention_call(
     else:
         cache = PagedKVCache(
             PagedKVCacheConfig(
-                1, shape.num_kv_heads, shape.head_dim, batch, context, dtype=dtype, block_size=variant.block_size
+                1,
+                shape.num_kv_heads,
+                shape.head_dim,
+                batch,
+                context,
+                dtype=dtype,
+                block_size=variant.block_size,
+                device=device,
             )
         )
         reqids = [cache.alloc_reqid() for _ in range(batch)]
@@ -84,21 +181,31 @@ def attention_call(
             cache.step(dict.fromkeys(reqids, min(length, context)))
         kernel = make_paged_kernel(variant.kernel, cache, shape.num_query_heads)
     planned = kernel.plan(reqids, [new_tokens] * batch)
-    tokens = batch * new_tokens
+    generator = torch.Generator().manual_seed(0)
 
     def rand(heads: int) -> torch.Tensor:
-        return torch.randn(tokens, heads, shape.head_dim, generator=generator).to(dtype)
+        return torch.randn(batch * new_tokens, heads, shape.head_dim, generator=generator).to(device, dtype)
 
     q, k, v = rand(shape.num_query_heads), rand(shape.num_kv_heads), rand(shape.num_kv_heads)
     return lambda: kernel.forward(0, planned, q, k, v)  # type: ignore[arg-type]
 
 
-def median_seconds(call: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(repeats):
+def median_seconds(calls: Mapping[Key, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[Key, float]:
+    """Each call's median time over `repeats` rounds; a round times every call once, in turn,
+    so a slow spell of the machine falls on all of them alike. Waits for the GPU after each."""
+
+    def timed(call: Callable[[], object]) -> float:
         start = time.perf_counter()
         call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        if on_gpu():
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for call in calls.values():
+        for _ in range(warmup):
+            timed(call)
+    times: dict[Key, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            times[name].append(timed(call))
+    return {name: statistics.median(samples) for name, samples in times.items()}

@@ -2,12 +2,15 @@
 context, virtual against paged with blocks of 16 and 128.
 
 - attention alone: one layer's decode attention (one new token per request, its K/V
-  stored first) for every request at `--context` tokens. Virtual: vattn's `ragged` kernel
-  on the slots' contiguous rows. Paged: `paged`, the same native kernel reading rows
-  through the block table; `paged_gather`, blocks gathered for torch SDPA; and
-  `paged_blockwise`, blocks attended one at a time in torch with an online-softmax merge.
-- the model: decode tokens/s of the engine with `--kv-cache virtual|paged` (default
-  kernels), every request at about `--model-context` tokens.
+  stored first) for every request at `--context` tokens, the variants timed in turn round
+  after round (a slow spell of the machine falls on all alike). On the CPU, the default
+  model's shapes: virtual, vattn's `ragged` kernel on the slots' contiguous rows; paged,
+  `paged` (the same native kernel reading rows through the block table), `paged_gather`
+  (blocks gathered for torch SDPA) and `paged_blockwise` (blocks attended one at a time in
+  torch with an online-softmax merge). On a GPU, Llama-3-8B's shapes in bfloat16 at 16K
+  tokens, each kernel family on either cache (`_harness.CUDA_VARIANTS`).
+- the model: decode tokens/s of the engine on either cache, every request at about
+  `--model-context` tokens (on the CPU the default kernels, on a GPU each kernel family).
 
     python -m paper_repro decode [--quick]
 """
@@ -28,41 +31,62 @@ import torch
 from tqdm import tqdm
 
 from benchmarks._common import command_line, machine_facts, print_table, save_figure, write_results
-from paper_repro._harness import DEFAULT_MODEL, Variant, attention_call, median_seconds, results_dir
-from paper_repro.prefill import _with_ratio
-from serving import LLM, SamplingParams
+from paper_repro._harness import (
+    CUDA_VARIANTS,
+    DEFAULT_MODEL,
+    PAPER_MODELS,
+    ModelShape,
+    Variant,
+    attention_call,
+    make_llm,
+    measured,
+    median_seconds,
+    on_gpu,
+    report_unmeasured,
+    results_dir,
+    unmeasured,
+    with_ratio,
+)
+from serving import SamplingParams
 
-VARIANTS = (
+CPU_VARIANTS = (
     Variant("virtual", "ragged"),
     Variant("paged", "paged", 16),
     Variant("paged", "paged", 128),
     Variant("paged", "paged_gather", 16),
     Variant("paged", "paged_blockwise", 16),
 )
+CPU_MODEL_VARIANTS = (Variant("virtual", "ragged"), Variant("paged", "paged", 16))
 
 
-def attention_rows(batches: list[int], context: int, repeats: int) -> list[dict[str, Any]]:
+def attention_rows(
+    variants: Sequence[Variant], shape: ModelShape, batches: list[int], context: int, repeats: int
+) -> list[dict[str, Any]]:
     rows = []
     for batch in tqdm(batches, desc="decode attention"):
-        for variant in VARIANTS:
-            seconds = median_seconds(attention_call(variant, DEFAULT_MODEL, batch, context, 1, torch.float32), repeats)
-            rows.append(
-                {
-                    "table": "attention",
-                    "batch": batch,
-                    "context": context,
-                    "variant": variant.label,
-                    "ms": 1000 * seconds,
-                    "tokens_per_s": batch / (seconds * DEFAULT_MODEL.num_layers),
-                }
-            )
-    return _with_ratio(rows, ("batch",), "ms")
+        keys = {"table": "attention", "model": shape.name, "batch": batch, "context": context}
+        calls = {}
+        for variant in variants:
+            try:
+                calls[variant] = attention_call(variant, shape, batch, context, 1)
+                calls[variant]()
+            except Exception as exc:
+                rows.append(unmeasured(variant, exc, **keys))
+        for variant, seconds in median_seconds(calls, repeats).items():
+            rows.append(measured(variant, **keys, ms=1000 * seconds, tokens_per_s=batch / (seconds * shape.num_layers)))
+        del calls  # frees this batch's caches before the next is built
+    return with_ratio(rows, ("batch",), "ms")
 
 
-def model_rows(batches: list[int], context: int, steps: int) -> list[dict[str, Any]]:
+def model_rows(variants: Sequence[Variant], batches: list[int], context: int, steps: int) -> list[dict[str, Any]]:
     rows = []
-    for kv_cache in tqdm(("virtual", "paged"), desc="decode model"):
-        llm = LLM(kv_cache=kv_cache, max_slots=max(batches), max_context=context + steps + 8, kv_budget=2 << 30)
+    for variant in tqdm(variants, desc="decode model"):
+        keys = {"table": "model", "model": DEFAULT_MODEL.name, "context": context}
+        try:
+            llm = make_llm(variant, max_slots=max(batches), max_context=context + steps + 8, kv_budget=2 << 30)
+        except Exception as exc:
+            rows += [unmeasured(variant, exc, **keys, batch=batch) for batch in batches]
+            continue
         engine, vocab = llm.engine, llm.tokenizer.vocab_size
         for batch in batches:
             params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
@@ -81,34 +105,30 @@ def model_rows(batches: list[int], context: int, steps: int) -> list[dict[str, A
             for request_id in ids:
                 engine.abort(request_id)
             engine.step()
-            rows.append(
-                {
-                    "table": "model",
-                    "batch": batch,
-                    "context": context,
-                    "variant": kv_cache,
-                    "ms": 1000 * seconds,
-                    "tokens_per_s": batch / seconds,
-                }
-            )
+            rows.append(measured(variant, **keys, batch=batch, ms=1000 * seconds, tokens_per_s=batch / seconds))
         llm.close()
-    return _with_ratio(rows, ("batch",), "ms")
+    return with_ratio(rows, ("batch",), "ms")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=results_dir(), help="results folder")
-    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--context", type=int, help="tokens per request (default 4096 on the CPU, 16384 on a GPU)")
     parser.add_argument("--model-context", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--steps", type=int, default=24)
     args = parser.parse_args(argv)
     batches, model_batches = [1, 2, 4, 8, 16, 32], [1, 8, 32]
+    if on_gpu():
+        variants, model_variants, shape = CUDA_VARIANTS, CUDA_VARIANTS, PAPER_MODELS[1]
+    else:
+        variants, model_variants, shape = CPU_VARIANTS, CPU_MODEL_VARIANTS, DEFAULT_MODEL
+    context = args.context or (16384 if on_gpu() else 4096)
     if args.quick:
-        batches, model_batches, args.context, args.model_context, args.repeats, args.steps = [1, 2], [2], 64, 32, 1, 1
-    rows = attention_rows(batches, args.context, args.repeats) + model_rows(
-        model_batches, args.model_context, args.steps
+        batches, model_batches, context, args.model_context, args.repeats, args.steps = [1, 2], [2], 64, 32, 1, 1
+    rows = attention_rows(variants, shape, batches, context, args.repeats) + model_rows(
+        model_variants, model_batches, args.model_context, args.steps
     )
     csv_path, json_path, png_path = write_results(
         args.out,
@@ -124,9 +144,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         ("tok/s", "tokens_per_s", 9, ".1f"),
         ("x virtual", "vs_virtual", 9, ".2f"),
     ]
-    print_table([r for r in rows if r["table"] == "attention"], columns, "decode attention, one layer")
-    print_table([r for r in rows if r["table"] == "model"], columns, "decode steps, the default model")
+    ok = [r for r in rows if r["status"] == "ok"]
+    print_table([r for r in ok if r["table"] == "attention"], columns, f"decode attention, one layer of {shape.name}")
+    print_table([r for r in ok if r["table"] == "model"], columns, "decode steps, the default model")
     plot(rows, png_path)
+    report_unmeasured(rows)
     print(f"\nwrote {csv_path}, {json_path}, {png_path}")
 
 
@@ -136,7 +158,7 @@ def plot(rows: list[dict[str, Any]], path: Any) -> None:
         (left, "attention", "ms", "attention latency per layer (ms)"),
         (right, "model", "tokens_per_s", "decode tokens/s"),
     ):
-        chosen = [r for r in rows if r["table"] == table]
+        chosen = [r for r in rows if r["status"] == "ok" and r["table"] == table]
         for variant in dict.fromkeys(r["variant"] for r in chosen):
             points = [r for r in chosen if r["variant"] == variant]
             axis.plot([r["batch"] for r in points], [r[metric] for r in points], marker="o", label=variant)

@@ -1,13 +1,15 @@
 """Fig. 8 / Table 6, prefill: prompt tokens/s and time to first token against context
 length at batch 1, virtual against paged, per kernel.
 
-- attention alone: one layer's causal attention over the whole prompt. The virtual cache
-  runs torch SDPA (its flash kernel) on the slot's contiguous view; the paged cache must
-  first gather its blocks (16 or 128 tokens) into one tensor, the only way to reach an
-  unmodified kernel. The default model's shapes up to 8K tokens and the paper's three
-  models' shapes at the largest context that fits the time here.
-- the model: time to first token of `LLM.generate` with `--kv-cache virtual|paged`
-  (chunked prefill of 256 tokens, default kernels), best of `--rounds`.
+- attention alone: one layer's causal attention over the whole prompt. On the CPU the
+  virtual cache runs torch SDPA (its flash kernel) on the slot's contiguous view; the paged
+  cache must first gather its blocks (16 or 128 tokens) into one tensor, the only way to
+  reach an unmodified kernel. The default model's shapes up to 8K tokens and the paper's
+  three models' shapes at the largest context that fits the time here. On a GPU, each
+  kernel family on either cache (`_harness.CUDA_VARIANTS`), bfloat16, the paper's models
+  at 4K-64K tokens.
+- the model: time to first token of `LLM.generate` on either cache (chunked prefill of 256
+  tokens; on the CPU the default kernels, on a GPU each kernel family), best of `--rounds`.
 
     python -m paper_repro prefill [--quick]
 """
@@ -29,41 +31,54 @@ from tqdm import tqdm
 
 from benchmarks._common import command_line, machine_facts, print_table, save_figure, write_results
 from paper_repro._harness import (
+    CUDA_VARIANTS,
     DEFAULT_MODEL,
     PAPER_MODELS,
     ModelShape,
     Variant,
     attention_call,
+    make_llm,
+    measured,
     median_seconds,
+    on_gpu,
+    report_unmeasured,
     results_dir,
+    unmeasured,
+    with_ratio,
 )
-from serving import LLM, SamplingParams
+from serving import SamplingParams
 
-VARIANTS = (Variant("virtual", "sdpa"), Variant("paged", "paged_gather", 16), Variant("paged", "paged_gather", 128))
+CPU_VARIANTS = (Variant("virtual", "sdpa"), Variant("paged", "paged_gather", 16), Variant("paged", "paged_gather", 128))
+CPU_MODEL_VARIANTS = (Variant("virtual", "ragged"), Variant("paged", "paged", 16))
 
 
-def attention_rows(shapes: list[tuple[ModelShape, int]], repeats: int) -> list[dict[str, Any]]:
+def attention_rows(
+    variants: Sequence[Variant], shapes: list[tuple[ModelShape, int]], repeats: int
+) -> list[dict[str, Any]]:
     rows = []
     for shape, context in tqdm(shapes, desc="prefill attention"):
-        for variant in VARIANTS:
-            seconds = median_seconds(attention_call(variant, shape, 1, context, context, torch.float32), repeats)
-            rows.append(
-                {
-                    "table": "attention",
-                    "model": shape.name,
-                    "context": context,
-                    "variant": variant.label,
-                    "ms": 1000 * seconds,
-                    "tokens_per_s": context / seconds,
-                }
-            )
-    return _with_ratio(rows, ("model", "context"), "ms")
+        keys = {"table": "attention", "model": shape.name, "context": context}
+        calls = {}
+        for variant in variants:
+            try:
+                calls[variant] = attention_call(variant, shape, 1, context, context)
+                calls[variant]()
+            except Exception as exc:
+                rows.append(unmeasured(variant, exc, **keys))
+        for variant, seconds in median_seconds(calls, repeats).items():
+            rows.append(measured(variant, **keys, ms=1000 * seconds, tokens_per_s=context / seconds))
+    return with_ratio(rows, ("model", "context"), "ms")
 
 
-def model_rows(contexts: list[int], rounds: int) -> list[dict[str, Any]]:
+def model_rows(variants: Sequence[Variant], contexts: list[int], rounds: int) -> list[dict[str, Any]]:
     rows = []
-    for kv_cache in tqdm(("virtual", "paged"), desc="prefill model"):
-        llm = LLM(kv_cache=kv_cache, max_slots=2, max_context=max(contexts) + 8, kv_budget=512 << 20)
+    for variant in tqdm(variants, desc="prefill model"):
+        keys = {"table": "model", "model": DEFAULT_MODEL.name}
+        try:
+            llm = make_llm(variant, max_slots=2, max_context=max(contexts) + 8, kv_budget=512 << 20)
+        except Exception as exc:
+            rows += [unmeasured(variant, exc, **keys, context=context) for context in contexts]
+            continue
         vocab = llm.tokenizer.vocab_size
         for context in contexts:
             ids = torch.randint(100, vocab, (context,), generator=torch.Generator().manual_seed(context)).tolist()
@@ -72,24 +87,9 @@ def model_rows(contexts: list[int], rounds: int) -> list[dict[str, Any]]:
                 start = time.perf_counter()
                 llm.generate([ids], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
                 best = min(best, time.perf_counter() - start)
-            rows.append(
-                {
-                    "table": "model",
-                    "model": DEFAULT_MODEL.name,
-                    "context": context,
-                    "variant": kv_cache,
-                    "ms": 1000 * best,
-                    "tokens_per_s": context / best,
-                }
-            )
+            rows.append(measured(variant, **keys, context=context, ms=1000 * best, tokens_per_s=context / best))
         llm.close()
-    return _with_ratio(rows, ("model", "context"), "ms")
-
-
-def _with_ratio(rows: list[dict[str, Any]], keys: tuple[str, ...], metric: str) -> list[dict[str, Any]]:
-    """Adds `vs_virtual`: each row's `metric` over the virtual row's with the same `keys`."""
-    virtual = {tuple(r[k] for k in keys): r[metric] for r in rows if r["variant"].startswith("virtual")}
-    return [r | {"vs_virtual": r[metric] / virtual[tuple(r[k] for k in keys)]} for r in rows]
+    return with_ratio(rows, ("model", "context"), "ms")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -99,12 +99,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
-    if args.quick:
-        shapes, contexts, args.repeats, args.rounds = [(DEFAULT_MODEL, 256)], [128], 1, 1
+    if on_gpu():
+        variants, model_variants = CUDA_VARIANTS, CUDA_VARIANTS
+        shapes = [(m, n) for m in PAPER_MODELS for n in (4096, 16384, 65536)]
+        contexts = [1024, 2048, 4096, 8000]
     else:
+        variants, model_variants = CPU_VARIANTS, CPU_MODEL_VARIANTS
         shapes = [(DEFAULT_MODEL, n) for n in (1024, 2048, 4096, 8192)] + [(m, 2048) for m in PAPER_MODELS]
         contexts = [1024, 2048, 4096]
-    rows = attention_rows(shapes, args.repeats) + model_rows(contexts, args.rounds)
+    if args.quick:
+        shapes, contexts, args.repeats, args.rounds = [(DEFAULT_MODEL, 256)], [128], 1, 1
+    rows = attention_rows(variants, shapes, args.repeats) + model_rows(model_variants, contexts, args.rounds)
     csv_path, json_path, png_path = write_results(
         args.out,
         "prefill",
@@ -119,23 +124,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         ("tok/s", "tokens_per_s", 9, ".0f"),
         ("x virtual", "vs_virtual", 9, ".2f"),
     ]
-    print_table([r for r in rows if r["table"] == "attention"], columns, "prefill attention, one layer, batch 1")
-    print_table([r for r in rows if r["table"] == "model"], columns, "time to first token, the default model")
+    ok = [r for r in rows if r["status"] == "ok"]
+    print_table([r for r in ok if r["table"] == "attention"], columns, "prefill attention, one layer, batch 1")
+    print_table([r for r in ok if r["table"] == "model"], columns, "time to first token, the default model")
     plot(rows, png_path)
+    report_unmeasured(rows)
     print(f"\nwrote {csv_path}, {json_path}, {png_path}")
 
 
 def plot(rows: list[dict[str, Any]], path: Any) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    shown = PAPER_MODELS[1].name if on_gpu() else DEFAULT_MODEL.name  # the attention panel's model
     for axis, table in ((left, "attention"), (right, "model")):
-        chosen = [r for r in rows if r["table"] == table and r["model"] == DEFAULT_MODEL.name]
+        model = shown if table == "attention" else DEFAULT_MODEL.name
+        chosen = [r for r in rows if r["status"] == "ok" and r["table"] == table and r["model"] == model]
         for variant in dict.fromkeys(r["variant"] for r in chosen):
             points = [r for r in chosen if r["variant"] == variant]
             axis.plot([r["context"] for r in points], [r["tokens_per_s"] for r in points], marker="o", label=variant)
         axis.set_xlabel("prompt tokens")
         axis.set_ylabel("prompt tokens/s")
         axis.legend(fontsize=7)
-    left.set_title("one layer's attention")
+    left.set_title(f"one layer's attention, {shown}")
     right.set_title("the model: prompt / time to first token")
     save_figure(fig, path, command_line())
 

@@ -30,8 +30,9 @@ class EngineConfig:
     """Physical bytes the KV cache may map."""
     kv_cache: str = "virtual"
     """`virtual` (vattn's cache) or `paged` (the block-table baseline)."""
-    page_size: int = 64 * KiB
-    """The virtual cache's physical page size."""
+    page_size: int | None = None
+    """The virtual cache's physical page size; None: 64 KiB on the host, 2 MiB (CUDA's
+    allocation granularity) on CUDA."""
     block_size: int = 16
     """The paged cache's tokens per block."""
     backend: str = "host"
@@ -51,6 +52,8 @@ class EngineConfig:
         if self.kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {self.kv_cache!r}")
         require_positive_int("block_size", self.block_size)
+        if self.page_size is None:
+            object.__setattr__(self, "page_size", 2 * MiB if self.backend == "cuda" else 64 * KiB)
         kernels = KERNELS if self.kv_cache == "virtual" else PAGED_KERNELS
         if self.kernel != "auto" and self.kernel not in kernels:
             raise ValueError(

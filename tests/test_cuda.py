@@ -17,6 +17,7 @@ from test_stateful import CacheMachine, run_machine
 from vattn import KVCache, KVCacheConfig, UnavailableError
 from vattn.backends.cuda import CudaBackend
 from vattn.kernels import KERNELS
+from vattn.paged import PAGED_KERNELS, PagedKVCache, PagedKVCacheConfig
 from vattn.sizes import MiB
 
 pytestmark = [
@@ -155,3 +156,14 @@ class CudaCacheMachine(CacheMachine):
 
 def test_random_operations_keep_the_invariants_on_cuda() -> None:
     run_machine(CudaCacheMachine, examples=25, steps=40, min_operations=500)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", [name for name in PAGED_KERNELS if name != "paged"])
+def test_paged_kernels_match_reference(name: str, dtype: str) -> None:
+    block_size = 256 if name == "paged_flash_attn" else 16  # flash-attn's paged path needs multiples of 256
+    config = PagedKVCacheConfig(2, 8, 128, 4, 4096, dtype=dtype, block_size=block_size, device="cuda")
+    try:
+        check_kernel(name, PagedKVCache(config), query_heads=32, tolerance=2e-2, iterations=LONG_ITERATIONS)
+    except UnavailableError as exc:
+        pytest.skip(str(exc))

@@ -28,4 +28,4 @@ class OutOfSlotsError(CapacityError):
 
 
 class UnavailableError(RuntimeError):
-    """A backend or kernel was asked for whose library or device is missing here."""
+    """A backend, kernel or model was asked for whose library, device or files are missing here."""

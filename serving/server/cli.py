@@ -85,7 +85,9 @@ def parser() -> argparse.ArgumentParser:
         choices=KV_CACHES,
         help="virtual: vattn's virtually contiguous cache; paged: the block-table baseline",
     )
-    serve.add_argument("--page-size", type=size, default=defaults.page_size, help="physical KV page size (virtual)")
+    serve.add_argument(
+        "--page-size", type=size, help="physical KV page size (virtual; default 64K on the host, 2M on CUDA)"
+    )
     serve.add_argument("--block-size", type=positive, default=defaults.block_size, help="tokens per KV block (paged)")
     serve.add_argument("--max-slots", type=positive, default=defaults.max_slots, help="requests running at once")
     serve.add_argument(
