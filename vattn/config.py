@@ -99,6 +99,20 @@ class KVCacheConfig:
         return math.ceil(self.max_context * self.bytes_per_token / self.page_size)
 
     @cached_property
+    def unit_steps(self) -> int:
+        """Page steps of a prefix-cache unit: the fewest whole pages that end on a token's end.
+
+        A token that straddles a page boundary has bytes on both sides, so a page before it
+        can be shared only if the token after it is never written again: sharing stops at
+        boundaries that are also token boundaries (every page when a page holds whole tokens)."""
+        return self.bytes_per_token // math.gcd(self.page_size, self.bytes_per_token)
+
+    @cached_property
+    def unit_tokens(self) -> int:
+        """Tokens in a prefix-cache unit."""
+        return self.unit_steps * self.page_size // self.bytes_per_token
+
+    @cached_property
     def slot_stride(self) -> int:
         """Bytes between two slots of a virtual tensor (whole pages)."""
         return self.slot_pages * self.page_size

@@ -74,13 +74,20 @@ class AttentionBatch:
 
 
 def iteration_rows(
-    reqids: Sequence[int], new_tokens: Sequence[int], lengths: Sequence[int]
+    reqids: Sequence[int], new_tokens: Sequence[int], lengths: Sequence[int], shared: Sequence[int] | None = None
 ) -> tuple[list[int], list[int]]:
-    """Each request's new-token count checked against its length (1 to length), and the
-    first query row of each request followed by the total."""
+    """Each request's new-token count checked against its length (1 to length, and never
+    into its `shared` first tokens, which other requests read), and the first query row of
+    each request followed by the total."""
+    shared = shared or [0] * len(lengths)
     checked = [
-        exact_int(new, f"reqid {reqid}: new tokens", 1, length)
-        for reqid, new, length in zip(reqids, new_tokens, lengths, strict=True)
+        exact_int(
+            new,
+            f"reqid {reqid}: new tokens" + (f" (after its {frozen} shared tokens)" if frozen else ""),
+            1,
+            length - frozen,
+        )
+        for reqid, new, length, frozen in zip(reqids, new_tokens, lengths, shared, strict=True)
     ]
     starts = [0]
     for new in checked:
@@ -114,7 +121,7 @@ class AttentionKernel(ABC):
         if len(set(reqids)) != len(reqids):
             raise ValueError(f"reqids must be distinct, got {list(reqids)}")
         lengths = self.cache.lengths(reqids)
-        new_tokens, starts = iteration_rows(reqids, new_tokens, lengths)
+        new_tokens, starts = iteration_rows(reqids, new_tokens, lengths, self.cache.shared_lengths(reqids))
         device = self.cache.device
         token_reqids = [reqid for reqid, new in zip(reqids, new_tokens, strict=True) for _ in range(new)]
         positions = [p for new, n in zip(new_tokens, lengths, strict=True) for p in range(n - new, n)]

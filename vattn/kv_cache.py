@@ -7,19 +7,24 @@ import os
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from vattn.backends import VMMBackend, make_backend
 from vattn.backends.base import MapError
-from vattn.config import KVCacheConfig, exact_int
+from vattn.config import KVCacheConfig, exact_int, is_int
 from vattn.errors import OutOfPagesError, OutOfSlotsError
 from vattn.mapper import BackgroundMapper
 from vattn.memory import CacheMemory, Lease
 from vattn.page_pool import PagePool
+from vattn.prefix_cache import ROOT, CachedUnit, PrefixCache, chain_digest
 from vattn.slot import Origin, Slot
 from vattn.stats import CacheStats, MappingCounters
+
+Reclaim = tuple[Slot, int] | CachedUnit
+"""Pages that can go: a slot's last page steps (how many), or a prefix-cache entry."""
 
 
 class KVCache:
@@ -41,6 +46,7 @@ class KVCache:
         self.backend: VMMBackend = make_backend(config)
         self._slots = [Slot(i) for i in range(config.max_slots)]
         self._pool = PagePool(self.backend, config.pool_pages)
+        self._prefix = PrefixCache(self._pool)
         memory = CacheMemory(config, self.backend, self._slots, self._pool)
         try:
             memory.reserve()
@@ -83,6 +89,7 @@ class KVCache:
             if slot is None:
                 held = sum(not s.active and s.pinned() for s in self._slots)
                 raise OutOfSlotsError(self.config.max_slots, held)
+            self._drop_shared_pages(slot)
             slot.active, slot.length = True, 0
         self._wake_mapper()
         return slot.index
@@ -92,7 +99,7 @@ class KVCache:
         with self._lock:
             self._check_open()
             slot = self._active_slot(reqid)
-            slot.active, slot.length = False, 0
+            slot.active, slot.length, slot.shared_steps, slot.digests = False, 0, 0, []
             slot.origins = [Origin.REUSED] * len(slot.pages)
         self._wake_mapper()
 
@@ -121,6 +128,98 @@ class KVCache:
             for slot, n in targets:
                 slot.length = n
         self._wake_mapper()
+
+    # ---------------------------------------------------------------- sharing
+
+    def match_prefix(self, reqid: int, tokens: Sequence[int]) -> int:
+        """Maps the prefix cache's pages for the longest cached prefix of a new request's
+        `tokens` behind it instead of computing them; returns the tokens they hold (whole
+        units, always leaving at least the last token to compute), now its length.
+
+        Counts `tokens` as prefix-cache queries and the tokens found as hits."""
+        with self._lock:
+            self._check_open()
+            slot = self._active_slot(reqid)
+            if slot.length or slot.shared_steps:
+                raise ValueError(f"reqid {slot.index} already holds tokens: match_prefix comes before its first step")
+            tokens = _token_ids(tokens)
+            unit = self.config.unit_tokens
+            digests = _unit_digests(tokens, (len(tokens) - 1) // unit, unit)
+            units = self._prefix.longest_prefix(digests)
+            self._prefix.counters.queries += len(tokens)
+            if units:
+                self._map_shared(slot, [step for found in units for step in found.pages])
+                slot.length = len(units) * unit
+                slot.shared_steps = len(units) * self.config.unit_steps
+                slot.digests = digests[: len(units)]
+                self._prefix.counters.hits += slot.length
+        self._wake_mapper()
+        return slot.length
+
+    def cache_prefix(self, reqid: int, tokens: Sequence[int]) -> None:
+        """Makes a request's full units findable by later requests: `tokens` are the tokens
+        whose KV it holds, from its first (at most its length). Its pages there are shared
+        from now on: never written again while it lives, kept after it ends until evicted."""
+        with self._lock:
+            self._check_open()
+            slot = self._active_slot(reqid)
+            if len(tokens) > slot.length:
+                raise ValueError(f"reqid {slot.index} holds {slot.length} tokens, not {len(tokens)}")
+            unit, steps = self.config.unit_tokens, self.config.unit_steps
+            full = len(tokens) // unit
+            if full <= len(slot.digests):
+                return
+            new = _token_ids(tokens[len(slot.digests) * unit : full * unit])
+            parent = slot.digests[-1] if slot.digests else ROOT
+            for index, digest in enumerate(_unit_digests(new, len(new) // unit, unit, parent), len(slot.digests)):
+                self._prefix.insert(digest, slot.pages[index * steps : (index + 1) * steps])
+                slot.digests.append(digest)
+            slot.shared_steps = max(slot.shared_steps, full * steps)
+
+    def fork_reqid(self, reqid: int) -> int:
+        """A new request holding the same KV as `reqid` (parallel sampling, beam search): its
+        whole pages mapped behind the new slot too, only the last partial page copied.
+
+        Both requests append after the fork, so neither writes a shared page. All or
+        nothing: OutOfSlotsError or OutOfPagesError with no request changed."""
+        cfg, width = self.config, self.config.num_buffers
+        with self._lock:
+            self._check_open()
+            parent = self._active_slot(reqid)
+            child = self._next_free_slot()
+            if child is None:
+                raise OutOfSlotsError(cfg.max_slots, sum(not s.active and s.pinned() for s in self._slots))
+            written = parent.length * cfg.bytes_per_token
+            whole = written // cfg.page_size
+            partial = cfg.pages_for(parent.length) - whole
+            if child.pages:
+                self._unmap_tail([(child, len(child.pages))])
+            self._make_room(partial * width, {parent.index: len(parent.pages), child.index: 0})
+            self._map_shared(child, parent.pages[:whole])
+            if partial:
+                self._map([(child, 1)], Origin.STEP)
+                tail = written - whole * cfg.page_size
+                for base in self._bases:
+                    source, target = (base + cfg.page_offset(s.index, whole) for s in (parent, child))
+                    self.backend.tensor(target, tail, mapped=True).copy_(self.backend.tensor(source, tail, mapped=True))
+            parent.shared_steps = max(parent.shared_steps, whole)
+            child.active, child.length, child.shared_steps = True, parent.length, whole
+            child.digests = list(parent.digests)
+        self._wake_mapper()
+        return child.index
+
+    def shared_lengths(self, reqids: Sequence[int]) -> list[int]:
+        """Tokens at the start of each request that lie in shared pages: kernels never write
+        there (a request may append only after them)."""
+        with self._lock:
+            self._check_open()
+            return [self._frozen_tokens(self._active_slot(reqid)) for reqid in reqids]
+
+    def evict_prefix_cache(self) -> None:
+        """Drops every prefix-cache entry (pages no slot maps become free)."""
+        with self._lock:
+            self._check_open()
+            self._prefix.clear()
 
     # ---------------------------------------------------------------- views
 
@@ -223,7 +322,7 @@ class KVCache:
     def stats(self) -> CacheStats:
         with self._lock:
             errors = self._mapper.errors if self._mapper else 0
-            return CacheStats.of(self.config, self._slots, self._pool, self._counters, errors)
+            return CacheStats.of(self.config, self._slots, self._pool, self._prefix, self._counters, errors)
 
     def release_idle(self) -> None:
         """Unmaps every idle slot's pages back into the pool (deferred reclamation, now), but
@@ -304,14 +403,54 @@ class KVCache:
             slot = self._active_slot(reqid)
             if slot.index in targets:
                 raise ValueError(f"reqid {slot.index} is listed twice")
-            name = f"length of reqid {slot.index} (max_context)"
-            targets[slot.index] = (slot, exact_int(length, name, 0, self.config.max_context))
+            frozen = self._frozen_tokens(slot)
+            limits = "max_context" if not frozen else "its shared prefix's tokens to max_context"
+            name = f"length of reqid {slot.index} ({limits})"
+            targets[slot.index] = (slot, exact_int(length, name, frozen, self.config.max_context))
         return list(targets.values())
 
     def _next_free_slot(self) -> Slot | None:
         """The slot alloc_reqid hands out next: most pages mapped, then lowest index."""
         free = (slot for slot in self._slots if not slot.active and not slot.leases)  # leases: pinned
         return max(free, key=lambda slot: (len(slot.pages), -slot.index), default=None)
+
+    def _frozen_tokens(self, slot: Slot) -> int:
+        """The first token that lies wholly after the slot's shared page steps."""
+        return -(-slot.shared_steps * self.config.page_size // self.config.bytes_per_token)
+
+    def _drop_shared_pages(self, slot: Slot) -> None:
+        """Before a free slot takes a new request: unmaps its pages from the first one that
+        anything else maps (the prefix cache, a fork) on, so the request writes only its own."""
+        shared = next((k for k, step in enumerate(slot.pages) if self._pool.refs(step[0]) > 1), None)
+        if shared is not None:
+            self._unmap_tail([(slot, len(slot.pages) - shared)])
+
+    def _map_shared(self, slot: Slot, steps: list[list[int]]) -> None:
+        """Maps already referenced page steps as the slot's first ones, in place of any own
+        pages it has there (one more reference each)."""
+        if not steps:
+            return
+        count = len(steps)
+        replaced = min(count, len(slot.pages))
+        if replaced:
+            self.backend.unmap(self._page_addrs(slot, 0, replaced))
+            self._pool.give_back(page for step in slot.pages[:replaced] for page in step)
+        pages = [page for step in steps for page in step]
+        self._pool.share(pages)
+        addrs = self._page_addrs(slot, 0, count)
+        try:
+            self._map_pages(addrs, pages)
+        except BaseException:  # the slot's pages must stay a prefix: its own ones after the gap go too
+            if rest := len(slot.pages) - replaced:
+                self.backend.unmap(self._page_addrs(slot, replaced, rest))
+                self._pool.give_back(page for step in slot.pages[replaced:] for page in step)
+            slot.pages.clear()
+            slot.origins.clear()
+            raise
+        slot.pages[:replaced] = [list(step) for step in steps[:replaced]]
+        slot.pages += [list(step) for step in steps[replaced:]]
+        slot.origins[:replaced] = [Origin.SHARED] * replaced
+        slot.origins += [Origin.SHARED] * (count - replaced)
 
     def _page_addrs(self, slot: Slot, first: int, count: int) -> list[int]:
         """Addresses of page steps first..first+count of a slot, page by page, tensor by tensor."""
@@ -323,10 +462,21 @@ class KVCache:
         width = self.config.num_buffers
         addrs = [a for slot, count in plan for a in self._page_addrs(slot, len(slot.pages), count)]
         pages = self._pool.take(len(addrs))
+        self._map_pages(addrs, pages)
+        taken = iter(pages)
+        for slot, count in plan:
+            for _ in range(count):
+                slot.pages.append([next(taken) for _ in range(width)])
+                slot.origins.append(origin)
+        return addrs
+
+    def _map_pages(self, addrs: list[int], pages: list[int]) -> None:
+        """One batched map call of referenced pages; on failure their references are dropped,
+        but those of pages left mapped somewhere (never to be handed out again)."""
         started = time.perf_counter()
         try:
             self.backend.map(addrs, pages)
-        except MapError as exc:  # pages still mapped somewhere must never be handed out again
+        except MapError as exc:
             stranded = set(exc.stranded)
             self._stranded += exc.stranded
             self._pool.give_back([page for addr, page in zip(addrs, pages, strict=True) if addr not in stranded])
@@ -335,12 +485,6 @@ class KVCache:
             self._pool.give_back(pages)
             raise
         self._counters.map.add(len(pages), time.perf_counter() - started)
-        taken = iter(pages)
-        for slot, count in plan:
-            for _ in range(count):
-                slot.pages.append([next(taken) for _ in range(width)])
-                slot.origins.append(origin)
-        return addrs
 
     def _unmap_tail(self, plan: list[tuple[Slot, int]]) -> None:
         """Unmaps the last `count` page steps of each slot in one batch; pages go back to the pool."""
@@ -362,25 +506,33 @@ class KVCache:
         started = time.perf_counter()
         return self.backend.populate(addrs), time.perf_counter() - started
 
-    def _reclaimable(self, keep: Mapping[int, int], include_active: bool) -> list[tuple[Slot, int]]:
-        """Page steps that can go, cheapest loss first: idle slots (the next reqid's last),
-        then active slots' pages past what they need. `keep` overrides what a slot needs.
-        Slots that live views hold keep every page."""
+    def _reclaimable(self, keep: Mapping[int, int], for_step: bool) -> list[Reclaim]:
+        """What can go, cheapest loss first: idle slots' pages (the next reqid's last); for a
+        step, also prefix-cache entries (least recently used first, before the next reqid's
+        pages) and active slots' pages past what they need. `keep` overrides what a slot
+        needs. Slots that live views hold keep every page."""
         nxt = self._next_free_slot()
         idle = sorted((s for s in self._slots if not s.active and s is not nxt), key=lambda s: len(s.pages))
-        order = idle + ([nxt] if nxt else []) + ([s for s in self._slots if s.active] if include_active else [])
-        spare = []
-        for slot in order:
-            if slot.pinned():
-                continue
+        active = [s for s in self._slots if s.active] if for_step else []
+        spare: list[Reclaim] = []
+        for slot in idle + ([nxt] if nxt else []) + active:
+            if slot is nxt and for_step:
+                spare += self._prefix.units()
             need = keep.get(slot.index, self.config.pages_for(slot.length) if slot.active else 0)
-            if len(slot.pages) > need:
+            if len(slot.pages) > need and not slot.pinned():
                 spare.append((slot, len(slot.pages) - need))
+        if for_step and nxt is None:
+            spare += self._prefix.units()
         return spare
 
     def _available_pages(self, keep: Mapping[int, int]) -> int:
-        spare = self._reclaimable(keep, include_active=True)
-        return self._pool.num_free + sum(count for _, count in spare) * self.config.num_buffers
+        """Free pages plus those that reclaiming everything a step may take would free: the
+        pages all of whose references it drops."""
+        drops: Counter[int] = Counter()
+        for action in self._reclaimable(keep, for_step=True):
+            for step in action.pages if isinstance(action, CachedUnit) else action[0].pages[-action[1] :]:
+                drops.update(step)
+        return self._pool.num_free + sum(count == self._pool.refs(page) for page, count in drops.items())
 
     def _make_room(self, needed: int, keep: Mapping[int, int]) -> None:
         """Frees pages until `needed` are free, or raises OutOfPagesError having changed nothing."""
@@ -389,20 +541,32 @@ class KVCache:
         available = self._available_pages(keep)
         if available < needed:
             raise OutOfPagesError(needed, available)
-        self._reclaim(needed, self._reclaimable(keep, include_active=True))
+        self._reclaim(needed, keep, for_step=True)
 
-    def _reclaim(self, target_free: int, spare: list[tuple[Slot, int]]) -> bool:
-        """Unmaps spare page steps, in order, until the pool has `target_free` pages."""
-        steps = math.ceil((target_free - self._pool.num_free) / self.config.num_buffers)
-        plan = []
-        for slot, count in spare:
-            if steps <= 0:
-                break
-            plan.append((slot, min(count, steps)))
-            steps -= count
-        if plan:
-            self._unmap_tail(plan)
-        return bool(plan)
+    def _reclaim(self, target_free: int, keep: Mapping[int, int], for_step: bool) -> bool:
+        """Takes reclaimable pages in order until the pool has `target_free` free; returns
+        whether anything went. A first pass spares prefix-cache entries that would free
+        nothing (their pages still mapped in a slot); a second takes whatever is left."""
+        done = False
+        for sparing in (True, False):
+            for action in self._reclaimable(keep, for_step):
+                deficit = target_free - self._pool.num_free
+                if deficit <= 0:
+                    return done
+                if isinstance(action, CachedUnit):
+                    pages = [page for step in action.pages for page in step]
+                    if not sparing or any(self._pool.refs(page) == 1 for page in pages):
+                        self._prefix.evict(action)
+                        done = True
+                    continue
+                slot, spare = action
+                steps, freed = 0, 0
+                while steps < spare and freed < deficit:  # from the tail, until they free enough
+                    steps += 1
+                    freed += sum(self._pool.refs(page) == 1 for page in slot.pages[-steps])
+                self._unmap_tail([(slot, steps)])
+                done = True
+        return done
 
     def _after_fork_in_child(self) -> None:
         """The parent's threads are gone from this copy, and locks they held would stay held."""
@@ -443,13 +607,29 @@ class KVCache:
                     budget -= missing * width
         if plan:
             return self._map(plan, Origin.BACKGROUND)
-        if self._pool.num_free < floor and self._reclaim(floor, self._reclaimable({}, include_active=False)):
+        if self._pool.num_free < floor and self._reclaim(floor, {}, for_step=False):
             return []
         nxt = self._next_free_slot()
         eager = min(cfg.eager_pages, cfg.slot_pages)
         if nxt and len(nxt.pages) < eager and self._pool.num_free - width >= floor:
             return self._map([(nxt, 1)], Origin.BACKGROUND)
         return None
+
+
+def _token_ids(tokens: Sequence[int]) -> list[int]:
+    ids = list(tokens)
+    if not all(is_int(t) and t >= 0 for t in ids):
+        raise ValueError("tokens must be non-negative integers (token ids)")
+    return ids
+
+
+def _unit_digests(tokens: Sequence[int], units: int, unit: int, parent: bytes = ROOT) -> list[bytes]:
+    """The chained prefix-cache keys of the first `units` units of `tokens`."""
+    digests = []
+    for index in range(units):
+        parent = chain_digest(parent, tokens[index * unit : (index + 1) * unit])
+        digests.append(parent)
+    return digests
 
 
 _LIVE_CACHES: weakref.WeakSet[KVCache] = weakref.WeakSet()

@@ -14,6 +14,8 @@ class Origin(Enum):
     STEP = "step"
     BACKGROUND = "background"
     REUSED = "reused"
+    SHARED = "shared"
+    """Mapped from the prefix cache or a forked request."""
 
 
 @dataclass
@@ -30,6 +32,11 @@ class Slot:
     """Tokens the last step() guaranteed; views of the slot stop here."""
     pages: list[list[int]] = field(default_factory=list)
     origins: list[Origin] = field(default_factory=list)
+    shared_steps: int = 0
+    """Leading page steps that other slots or the prefix cache may also map: this request
+    never writes them again (its length cannot go back below them)."""
+    digests: list[bytes] = field(default_factory=list)
+    """Prefix-cache keys of this request's first units (vattn.prefix_cache), in order."""
     leases: set[weakref.ref[Any]] = field(default_factory=set)
     """Live leases of tensors (or attention batches) that can reach this slot; each one's
     weak reference takes itself out when the lease dies (see vattn.memory)."""

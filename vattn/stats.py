@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from vattn.config import KVCacheConfig
 from vattn.page_pool import PagePool
+from vattn.prefix_cache import PrefixCache, PrefixCounters
 from vattn.slot import Slot
 
 
@@ -61,15 +62,17 @@ class CacheStats:
     page_size: int
     pool_pages: int
     mapped_bytes: int
-    """Behind any slot, active or idle."""
+    """Behind any slot, active or idle (a page shared by several counts once)."""
     active_bytes: int
     """Behind slots that hold a request."""
     idle_bytes: int
-    """Kept behind finished requests' slots (deferred reclamation)."""
+    """Kept behind finished requests' slots only (deferred reclamation)."""
+    cached_bytes: int
+    """Held by the prefix cache only, mapped behind no slot."""
     free_bytes: int
-    """Mapped nowhere: the budget minus `mapped_bytes`."""
+    """Referenced by nothing: the budget minus `mapped_bytes` and `cached_bytes`."""
     used_bytes: int
-    """Holding the active requests' tokens."""
+    """Holding the active requests' tokens (a shared prefix counts once per request)."""
     pages_created: int
     fresh_pages_taken: int
     recycled_pages_taken: int
@@ -79,20 +82,34 @@ class CacheStats:
     """Slots a live view (or planned batch) can reach: never unmapped, not handed out again meanwhile."""
     counters: MappingCounters
     background_errors: int
+    prefix: PrefixCounters = field(default_factory=PrefixCounters)
+    """Prefix-cache queries and hits, in tokens."""
 
     @classmethod
     def of(
-        cls, config: KVCacheConfig, slots: Sequence[Slot], pool: PagePool, counters: MappingCounters, errors: int
+        cls,
+        config: KVCacheConfig,
+        slots: Sequence[Slot],
+        pool: PagePool,
+        prefix: PrefixCache,
+        counters: MappingCounters,
+        errors: int,
     ) -> CacheStats:
-        """The figures of a cache's slots and pool (taken under the cache lock)."""
-        active = sum(len(s.pages) for s in slots if s.active) * config.page_step_bytes
-        idle = sum(len(s.pages) for s in slots if not s.active) * config.page_step_bytes
+        """The figures of a cache's slots, pool and prefix cache (taken under the cache lock)."""
+
+        def pages(chosen: Iterable[Slot]) -> set[int]:
+            return {page for slot in chosen for step in slot.pages for page in step}
+
+        active = pages(s for s in slots if s.active)
+        idle = pages(s for s in slots if not s.active) - active
+        cached = {page for unit in prefix.units() for step in unit.pages for page in step} - active - idle
         return cls(
             page_size=config.page_size,
             pool_pages=pool.capacity,
-            mapped_bytes=active + idle,
-            active_bytes=active,
-            idle_bytes=idle,
+            mapped_bytes=len(active | idle) * config.page_size,
+            active_bytes=len(active) * config.page_size,
+            idle_bytes=len(idle) * config.page_size,
+            cached_bytes=len(cached) * config.page_size,
             free_bytes=pool.num_free * config.page_size,
             used_bytes=sum(s.length for s in slots if s.active) * config.bytes_per_token * config.num_buffers,
             pages_created=pool.num_created,
@@ -103,9 +120,10 @@ class CacheStats:
             pinned_slots=sum(s.pinned() for s in slots),
             counters=copy.deepcopy(counters),
             background_errors=errors,
+            prefix=copy.copy(prefix.counters),
         )
 
     @property
     def waste_bytes(self) -> int:
-        """Mapped but holding no token."""
+        """Mapped but holding no token (without sharing; a shared prefix makes it negative)."""
         return self.mapped_bytes - self.used_bytes

@@ -177,6 +177,7 @@ class PagedKVCache:
             mapped_bytes=used,
             active_bytes=used,
             idle_bytes=0,
+            cached_bytes=0,
             free_bytes=self._pool.num_free * cfg.block_bytes,
             used_bytes=sum(self._lengths) * cfg.bytes_per_token,
             pages_created=cfg.num_blocks,

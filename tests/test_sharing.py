@@ -1,0 +1,151 @@
+"""Page sharing: the prefix cache and forked requests map the same physical pages behind
+several slots, no page a slot shares is ever written, and eviction gives every page back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from vattn import KVCache, OutOfPagesError
+from vattn.kernels import make_kernel
+
+MakeCache = Callable[..., KVCache]
+ODD = {"num_kv_heads": 3, "page_size": 4096}
+"""192 B per token per layer: a 4 KiB page holds 21 1/3 tokens, so a unit is 3 pages, 64 tokens."""
+
+
+def write(cache: KVCache, reqid: int, tokens: list[int], start: int = 0) -> None:
+    """Steps the request to len(tokens) and stores a value derived from each token's prefix
+    (equal prefixes give equal KV, as a model's would) at every position from `start`."""
+    cache.step({reqid: len(tokens)})
+    for layer in range(cache.config.num_layers):
+        keys, values = cache.kv(layer, reqid)
+        for position in range(start, len(tokens)):
+            value = float(hash(tuple(tokens[: position + 1])) % 10_007 + layer)
+            keys[position], values[position] = value, -value
+
+
+def snapshot(cache: KVCache, reqid: int, tokens: int) -> list[torch.Tensor]:
+    return [part[:tokens].clone() for layer in range(cache.config.num_layers) for part in cache.kv(layer, reqid)]
+
+
+def test_a_cached_prefix_is_mapped_not_copied_and_reads_the_same(make_cache: MakeCache) -> None:
+    cache = make_cache(**ODD)
+    unit = cache.config.unit_tokens
+    assert (cache.config.unit_steps, unit) == (3, 64)
+    prompt = list(range(100, 300))  # 200 tokens: 3 whole units
+    first = cache.alloc_reqid()
+    assert cache.match_prefix(first, prompt) == 0
+    write(cache, first, prompt)
+    cache.cache_prefix(first, prompt)
+    expected = snapshot(cache, first, 3 * unit)
+
+    second = cache.alloc_reqid()
+    assert cache.match_prefix(second, prompt[: 2 * unit] + [7] * 50) == 2 * unit  # diverges in unit 3
+    assert cache.page_table(second)[:6] == cache.page_table(first)[:6]  # the same physical pages
+    cache.free_reqid(first)  # its units stay cached
+    assert all(torch.equal(a, b[: 2 * unit]) for a, b in zip(snapshot(cache, second, 2 * unit), expected, strict=True))
+    third = cache.alloc_reqid()
+    assert cache.match_prefix(third, prompt) == 3 * unit
+    assert cache.page_table(third)[:6] == cache.page_table(second)[:6]
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(cache, third, 3 * unit), expected, strict=True))
+    stats = cache.stats()
+    assert (stats.prefix.queries, stats.prefix.hits) == (200 + 178 + 200, 5 * unit)
+
+
+def test_a_prompt_never_matches_whole_so_its_last_token_is_computed(make_cache: MakeCache) -> None:
+    cache = make_cache(**ODD)
+    prompt = list(range(128))  # exactly two units
+    first = cache.alloc_reqid()
+    write(cache, first, prompt)
+    cache.cache_prefix(first, prompt)
+    assert cache.match_prefix(cache.alloc_reqid(), prompt) == 64
+
+
+def test_no_write_reaches_a_shared_page(make_cache: MakeCache) -> None:
+    """A request appends after its shared prefix through the kernel; the prefix's bytes, which
+    another request reads, never change, and writing into it is refused."""
+    cache = make_cache(**ODD)
+    prompt = list(range(1, 150))
+    owner = cache.alloc_reqid()
+    write(cache, owner, prompt)
+    cache.cache_prefix(owner, prompt)
+    before = snapshot(cache, owner, 128)
+    sharer = cache.alloc_reqid()
+    cached = cache.match_prefix(sharer, [*prompt, 5, 6])
+    assert cached == 128 and cache.shared_lengths([sharer, owner]) == [128, 128]
+    kernel = make_kernel("ragged", cache, num_query_heads=3)
+    for new in (len(prompt) + 2 - cached, 1, 1):  # the rest of the prompt, then two decodes
+        length = cache.lengths([sharer])[0] + new
+        cache.step({sharer: length})
+        batch = kernel.plan([sharer], [new])
+        for layer in range(cache.config.num_layers):
+            q = torch.randn(new, 3, 16)
+            kernel.forward(layer, batch, q, torch.full((new, 3, 16), 9.0), torch.full((new, 3, 16), 9.0))
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(cache, owner, 128), before, strict=True))
+    with pytest.raises(ValueError, match="after its 128 shared tokens"):
+        kernel.plan([sharer], [cache.lengths([sharer])[0] - 127])
+    with pytest.raises(ValueError, match="shared prefix"):
+        cache.step({sharer: 100})
+
+
+def test_a_fork_shares_whole_pages_and_copies_the_partial_one(make_cache: MakeCache) -> None:
+    cache = make_cache(**ODD)
+    tokens = list(range(50, 120))  # 70 tokens: page 3 is partial, and a token straddles pages 2 and 3
+    parent = cache.alloc_reqid()
+    write(cache, parent, tokens)
+    child = cache.fork_reqid(parent)
+    assert cache.lengths([child]) == [70]
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(cache, child, 70), snapshot(cache, parent, 70), strict=True))
+    parent_pages, child_pages = cache.page_table(parent), cache.page_table(child)
+    assert child_pages[:3] == parent_pages[:3] and child_pages[3] != parent_pages[3]
+    shared = snapshot(cache, parent, 64)
+    write(cache, parent, [*tokens, 1, 2, 3], start=70)  # each side appends its own tokens
+    write(cache, child, [*tokens, 4, 5], start=70)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(cache, child, 64), shared, strict=True))
+    assert not torch.equal(cache.kv(0, parent)[0][70], cache.kv(0, child)[0][70])
+    cache.free_reqid(parent)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(cache, child, 64), shared, strict=True))
+
+
+def test_cached_pages_are_evicted_when_a_step_needs_them_and_all_come_back(make_cache: MakeCache) -> None:
+    budget_steps = 12
+    cache = make_cache(**ODD, memory_budget=budget_steps * 8 * 4096, max_slots=3, background=False)
+    width = cache.config.num_buffers
+    for first_token in (1000, 2000):  # two finished requests leave 2 x 3 units cached
+        reqid = cache.alloc_reqid()
+        prompt = list(range(first_token, first_token + 192))
+        write(cache, reqid, prompt)
+        cache.cache_prefix(reqid, prompt)
+        cache.free_reqid(reqid)
+    stats = cache.stats()
+    assert stats.cached_bytes + stats.mapped_bytes + stats.free_bytes == stats.pool_pages * 4096
+    big = cache.alloc_reqid()
+    write(cache, big, list(range(5000, 5000 + 21 * budget_steps)))  # every page of the budget
+    stats = cache.stats()
+    assert stats.cached_bytes == 0 and stats.active_bytes == budget_steps * width * 4096
+    with pytest.raises(OutOfPagesError):
+        cache.step({big: 21 * budget_steps + 22})
+    cache.free_reqid(big)
+    cache.release_idle()
+    cache.evict_prefix_cache()
+    assert cache.num_free_pages() == budget_steps * width
+
+
+def test_a_freed_slot_drops_only_shared_pages_and_keeps_deferred_reclamation(make_cache: MakeCache) -> None:
+    cache = make_cache(**ODD, max_slots=1, background=False)
+    reqid = cache.alloc_reqid()
+    write(cache, reqid, list(range(300)))  # 15 page steps, no sharing
+    cache.free_reqid(reqid)
+    assert cache.stats().idle_bytes == 15 * cache.config.page_step_bytes
+    again = cache.alloc_reqid()
+    assert again == reqid and len(cache.page_table(again)) == 15  # deferred reclamation: kept
+    prompt = list(range(300))
+    write(cache, again, prompt)
+    cache.cache_prefix(again, prompt)
+    cache.free_reqid(again)
+    last = cache.alloc_reqid()  # its first pages are cached: it starts without them
+    assert cache.page_table(last) == []
+    assert cache.stats().cached_bytes == 12 * cache.config.page_step_bytes

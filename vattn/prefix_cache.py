@@ -1,0 +1,99 @@
+"""Finished and running requests' KV pages, findable by the tokens they hold.
+
+A request's KV is cut into units of `KVCacheConfig.unit_tokens` tokens (whole page steps
+whose ends are also token ends, see there). A full unit is keyed by a digest chained over
+every token up to its end, as vLLM's block hashes are: the KV of a token depends on all
+the tokens before it, so equal digests mean equal KV. A flat table of chained digests
+(rather than SGLang's radix tree) finds a prefix with one lookup per unit and evicts one
+unit at a time, which is all a page-granular cache needs.
+
+The cache holds one reference to each page of each entry (the pool counts them). Entries
+are evicted least recently used first; a match refreshes a prefix leaf first, so a
+parent always outlives its children and no entry is left unreachable while its parent
+could have been evicted instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vattn.page_pool import PagePool
+
+ROOT = b""
+"""The digest before the first unit."""
+
+
+def chain_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a unit: its tokens after its parent's key (blake2b, 128 bits: a collision
+    would hand one request another's KV, so no 64-bit Python hash)."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+@dataclass
+class CachedUnit:
+    digest: bytes
+    pages: list[list[int]]
+    """The unit's page steps, each one page per virtual tensor."""
+
+
+@dataclass
+class PrefixCounters:
+    """vLLM's prefix-cache metrics, in tokens."""
+
+    queries: int = 0
+    """Prompt tokens looked up."""
+    hits: int = 0
+    """... found cached (mapped instead of computed)."""
+
+
+class PrefixCache:
+    """Digest -> cached unit, in least-recently-used order; see the module docstring."""
+
+    def __init__(self, pool: PagePool) -> None:
+        self._pool = pool
+        self._units: OrderedDict[bytes, CachedUnit] = OrderedDict()
+        self.counters = PrefixCounters()
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._units
+
+    def units(self) -> list[CachedUnit]:
+        """Every entry, least recently used first."""
+        return list(self._units.values())
+
+    def longest_prefix(self, digests: Sequence[bytes]) -> list[CachedUnit]:
+        """The cached units of the longest run of `digests` from the first, refreshed."""
+        found = []
+        for digest in digests:
+            unit = self._units.get(digest)
+            if unit is None:
+                break
+            found.append(unit)
+        for unit in reversed(found):  # the leaf first: it is evicted before its parents
+            self._units.move_to_end(unit.digest)
+        return found
+
+    def insert(self, digest: bytes, pages: list[list[int]]) -> None:
+        """Keeps a full unit's pages under its digest (one reference each); a digest already
+        cached keeps its pages (the same KV)."""
+        if digest in self._units:
+            self._units.move_to_end(digest)
+            return
+        self._pool.share(page for step in pages for page in step)
+        self._units[digest] = CachedUnit(digest, [list(step) for step in pages])
+
+    def evict(self, unit: CachedUnit) -> None:
+        """Drops an entry and its references (pages no slot maps become free)."""
+        del self._units[unit.digest]
+        self._pool.give_back(page for step in unit.pages for page in step)
+
+    def clear(self) -> None:
+        for unit in self.units():
+            self.evict(unit)
