@@ -1,12 +1,16 @@
 """Random alloc / step / free sequences with the background thread running, invariants after each.
 
 Kept views, close() and fork() interleave with them: a view always reads what its own
-request wrote, whatever happened to the request, the cache or a forked child since.
+request wrote, whatever happened to the request, the cache or a forked child since. Page
+sharing joins in (prefix-cache matches, cached prefixes, forked requests, eviction): every
+page's reference count is the slots and cache entries that map it, and a request reads
+exactly the KV of its own tokens.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -26,13 +30,28 @@ from vattn.slot import Slot
 
 MAX_SLOTS, LAYERS = 6, 3
 operations = 0
+cached_tokens = 0
+
+
+def kv_value(ids: tuple[int, ...]) -> float:
+    """The value a request stores at the last position of `ids`: a function of the whole
+    prefix, as a model's KV is (requests with equal prefixes store equal values)."""
+    return float(hash(ids) % 1_000_003)
 
 
 @dataclass
 class Generation:
-    """One request's tokens; frozen when it is freed (or its cache closed)."""
+    """One request's token ids and the values it stored; frozen when it is freed (or its cache closed)."""
 
     tokens: torch.Tensor
+    ids: list[int] = field(default_factory=list)
+
+    def grown(self, ids: list[int], device: torch.device) -> Generation:
+        """This generation's first len(tokens) positions kept, then `ids` appended."""
+        kept = self.ids[: len(self.tokens)]
+        full = kept + ids
+        new = torch.tensor([kv_value(tuple(full[: i + 1])) for i in range(len(kept), len(full))], device=device)
+        return Generation(torch.cat([self.tokens[: len(kept)], new]), full)
 
 
 @dataclass
@@ -64,6 +83,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.config: KVCacheConfig | None = None
         self.generations: dict[int, Generation] = {}
         self.views: list[KeptView] = []
+        self.prompts: list[list[int]] = []
+        """Token ids of cached prefixes, for later prompts to begin with."""
 
     @initialize(layout=st.sampled_from(["per_layer", "mega"]), native=st.booleans(), budget_steps=st.integers(8, 40))
     def open_cache(self, layout: str, native: bool, budget_steps: int) -> None:
@@ -141,18 +162,76 @@ class CacheMachine(RuleBasedStateMachine):
         else:
             chosen = data.draw(st.lists(st.sampled_from(self.live), min_size=1, unique=True))
             lengths = {r: data.draw(st.integers(0, self.max_context)) for r in chosen}
+        shared = dict(zip(lengths, self.cache.shared_lengths(list(lengths)), strict=True))
         try:
             self.cache.step(lengths)
         except OutOfPagesError:
             return  # the invariants check that nothing changed
+        except ValueError:
+            assert any(length < shared[reqid] for reqid, length in lengths.items())
+            return
+        assert all(length >= shared[reqid] for reqid, length in lengths.items()), "stepped into a shared prefix"
         for reqid, length in lengths.items():
-            old = self.tokens[reqid][:length]
-            new = torch.rand(length - len(old), device=self.cache.device) + reqid
-            self.generations[reqid].tokens = torch.cat([old, new])
+            generation = self.generations[reqid]
+            old = len(generation.tokens)
+            if length <= old:
+                generation.tokens, generation.ids = generation.tokens[:length], generation.ids[:length]
+                continue
+            ids = data.draw(st.lists(st.integers(0, 2), min_size=length - old, max_size=length - old))
+            grown = generation.grown(ids, self.cache.device)
+            generation.tokens, generation.ids = grown.tokens, grown.ids
             for layer in range(LAYERS):
                 keys, values = self.cache.kv(layer, reqid)
-                keys[len(old) :] = new[:, None, None] + layer
-                values[len(old) :] = -new[:, None, None] - layer
+                keys[old:] = grown.tokens[old:, None, None] + layer
+                values[old:] = -grown.tokens[old:, None, None] - layer
+        if data.draw(st.booleans()):  # as the engine does after each iteration
+            for reqid in lengths:
+                self.cache_prefix_of(reqid)
+
+    def cache_prefix_of(self, reqid: int) -> None:
+        """The request's whole units become findable (and its pages there shared)."""
+        self.cache.cache_prefix(reqid, self.generations[reqid].ids)
+        self.prompts.append(list(self.generations[reqid].ids))
+
+    @rule(data=st.data())
+    def alloc_matching(self, data: st.DataObject) -> None:
+        """A new request whose prompt may begin with cached units: they are mapped, not computed."""
+        global operations
+        operations += 1
+        if self.tokens and len(self.tokens) + len(self.held_by_views) == MAX_SLOTS:
+            self.free(data)  # a full cache would turn most prompts away
+        if len(self.tokens) + len(self.held_by_views) == MAX_SLOTS:
+            return
+        if data.draw(st.integers(0, 7)) == 0:
+            self.cache.evict_prefix_cache()
+        candidates = self.prompts[-8:] + [generation.ids for generation in self.generations.values()]
+        known = data.draw(st.sampled_from(candidates)) if candidates else []
+        head = known if data.draw(st.booleans()) else known[: data.draw(st.integers(0, len(known)))]
+        head = head[: self.max_context - 1]
+        tail = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=self.max_context - len(head)))
+        prompt = head + tail
+        reqid = self.cache.alloc_reqid()
+        cached = self.cache.match_prefix(reqid, prompt)
+        assert cached % self.cache.config.unit_tokens == 0 and cached < len(prompt)
+        global cached_tokens
+        cached_tokens += cached
+        self.generations[reqid] = Generation(torch.empty(0, device=self.cache.device)).grown(
+            prompt[:cached], self.cache.device
+        )
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork_request(self, data: st.DataObject) -> None:
+        global operations
+        operations += 1
+        parent = data.draw(st.sampled_from(self.live))
+        try:
+            child = self.cache.fork_reqid(parent)
+        except (OutOfSlotsError, OutOfPagesError):
+            return
+        assert child not in self.tokens and child not in self.held_by_views
+        generation = self.generations[parent]
+        self.generations[child] = Generation(generation.tokens.clone(), list(generation.ids))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -209,9 +288,16 @@ class CacheMachine(RuleBasedStateMachine):
         cache, config = self.cache, self.cache.config
         with cache._lock:
             slots: list[Slot] = cache._slots
-            mapped = [page for slot in slots for step in slot.pages for page in step]
-            assert len(mapped) == len(set(mapped)), "a physical page is mapped twice"
-            assert len(mapped) + cache._pool.num_free == cache._pool.capacity
+            pool = cache._pool
+            references: Counter[int] = Counter(page for slot in slots for step in slot.pages for page in step)
+            for slot in slots:
+                pages = [page for step in slot.pages for page in step]
+                assert len(pages) == len(set(pages)), "a physical page is mapped twice in one slot"
+            cached = Counter(page for unit in cache._prefix.units() for step in unit.pages for page in step)
+            assert max(cached.values(), default=1) == 1, "a page is held by two prefix-cache entries"
+            references.update(cached)
+            assert all(pool.refs(page) == count for page, count in references.items()), "a refcount is off"
+            assert len(references) + pool.num_free == pool.capacity
             assert all(len(step) == config.num_buffers for slot in slots for step in slot.pages)
             assert {slot.index for slot in slots if slot.active} == set(self.tokens)
             for slot in slots:
@@ -219,11 +305,14 @@ class CacheMachine(RuleBasedStateMachine):
                 if slot.active:
                     assert slot.length == len(self.tokens[slot.index])
                     assert config.pages_for(slot.length) <= len(slot.pages)
+                    assert slot.shared_steps <= len(slot.pages)
+                    writable = slot.pages[slot.shared_steps :]
+                    assert all(pool.refs(page) == 1 for step in writable for page in step), "may write a shared page"
         stats = cache.stats()
-        assert stats.mapped_bytes + stats.free_bytes == config.pool_pages * config.page_size
+        assert stats.mapped_bytes + stats.cached_bytes + stats.free_bytes == config.pool_pages * config.page_size
         used_tokens = sum(len(tokens) for tokens in self.tokens.values())
         assert stats.used_bytes == used_tokens * config.bytes_per_token * config.num_buffers
-        assert 0 <= stats.waste_bytes == stats.mapped_bytes - stats.used_bytes
+        assert stats.waste_bytes == stats.mapped_bytes - stats.used_bytes
         for reqid, tokens in self.tokens.items():
             for layer in range(LAYERS):
                 keys, values = cache.kv(layer, reqid)
@@ -243,8 +332,8 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 def run_machine(machine: type[CacheMachine], examples: int, steps: int, min_operations: int) -> None:
-    global operations
-    operations = 0
+    global operations, cached_tokens
+    operations = cached_tokens = 0
     run_state_machine_as_test(
         machine,
         settings=settings(
@@ -252,6 +341,7 @@ def run_machine(machine: type[CacheMachine], examples: int, steps: int, min_oper
         ),
     )
     assert operations >= min_operations, f"only {operations} operations ran"
+    assert cached_tokens > 0, "no prompt was ever found in the prefix cache"
 
 
 def test_random_operations_keep_the_invariants() -> None:
