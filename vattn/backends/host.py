@@ -52,7 +52,9 @@ class MapCountBudget:
     just each alone, they stay under vm.max_map_count however their pages end up mapped."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        """Reentrant: a claim allocates, the garbage collector may then finalize a dropped
+        cache on this thread, and that gives its mappings back inside the claim."""
         self.promised = 0
 
     def claim(self, count: int, what: str) -> None:
