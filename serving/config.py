@@ -35,6 +35,9 @@ class EngineConfig:
     allocation granularity) on CUDA."""
     block_size: int = 16
     """The paged cache's tokens per block."""
+    prefix_caching: bool | None = None
+    """Map the KV pages of prompt prefixes seen before instead of computing them (the
+    virtual cache only); None: on for the virtual cache, off for the paged one."""
     backend: str = "host"
     kernel: str = "auto"
     """Attention kernel: virtual cache, vattn.kernels.KERNELS (`auto`: `ragged` on the host,
@@ -52,6 +55,10 @@ class EngineConfig:
         if self.kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {self.kv_cache!r}")
         require_positive_int("block_size", self.block_size)
+        if self.prefix_caching is None:
+            object.__setattr__(self, "prefix_caching", self.kv_cache == "virtual")
+        elif self.prefix_caching and self.kv_cache != "virtual":
+            raise ValueError("prefix caching shares the virtual cache's pages: the paged baseline has none")
         if self.page_size is None:
             object.__setattr__(self, "page_size", 2 * MiB if self.backend == "cuda" else 64 * KiB)
         kernels = KERNELS if self.kv_cache == "virtual" else PAGED_KERNELS

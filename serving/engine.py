@@ -155,6 +155,7 @@ class LLMEngine:
         hidden = self._runner.forward(torch.tensor(ids, device=device), attention)
         for request, n in zip(requests, new_tokens, strict=True):
             request.num_computed += n
+            self.kv.remember(request.slot, request.all_ids[: request.num_computed])  # type: ignore[arg-type]
         self._iterations += 1
         rows = [attention.starts[i + 1] - 1 for i, sampled in enumerate(samples) if sampled]
         if not rows:
@@ -199,7 +200,9 @@ class LLMEngine:
         logprobs = request.logprobs[request.emitted_tokens :] if request.params.logprobs is not None else None
         request.emitted_chars, request.emitted_tokens = end, len(request.output_ids)
         request.finish_reported = request.finished
-        return StreamDelta(request.request_id, new_text, new_ids, logprobs, request.finish_reason)
+        return StreamDelta(
+            request.request_id, new_text, new_ids, logprobs, request.finish_reason, request.cached_tokens or 0
+        )
 
     def close(self) -> None:
         self.kv.close()

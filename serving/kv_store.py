@@ -39,6 +39,13 @@ class KVStore(Protocol):
     def admit(self, num_tokens: int) -> int | None:
         """A slot for a new request whose first iteration covers `num_tokens`, or None if it cannot start now."""
 
+    def reuse_prefix(self, slot: int, token_ids: Sequence[int]) -> int:
+        """Gives a newly admitted slot the KV of the longest prefix of `token_ids` that the store
+        still holds; returns how many tokens that is (0 without a prefix cache)."""
+
+    def remember(self, slot: int, token_ids: Sequence[int]) -> None:
+        """`token_ids` are the tokens whose KV the slot now holds: later requests may reuse them."""
+
     def grow(self, lengths: Mapping[int, int]) -> None:
         """Makes each slot hold its length before an iteration; all or nothing (OutOfPagesError)."""
 
@@ -66,6 +73,12 @@ class CacheStore:
 
     def admit(self, num_tokens: int) -> int | None:
         return self.cache.alloc_reqid() if self.cache.can_admit(num_tokens) else None
+
+    def reuse_prefix(self, slot: int, token_ids: Sequence[int]) -> int:
+        return 0
+
+    def remember(self, slot: int, token_ids: Sequence[int]) -> None:
+        pass
 
     def grow(self, lengths: Mapping[int, int]) -> None:
         self.cache.step(lengths)
@@ -105,6 +118,14 @@ class VirtualKVStore(CacheStore):
         cache = KVCache(cache_config)
         kernel = config.kernel if config.kernel != "auto" else "ragged" if config.backend == "host" else "sdpa"
         super().__init__(cache, make_kernel(kernel, cache, shape.num_query_heads))
+        self._prefix_caching = bool(config.prefix_caching)
+
+    def reuse_prefix(self, slot: int, token_ids: Sequence[int]) -> int:
+        return self.cache.match_prefix(slot, token_ids) if self._prefix_caching else 0
+
+    def remember(self, slot: int, token_ids: Sequence[int]) -> None:
+        if self._prefix_caching:
+            self.cache.cache_prefix(slot, token_ids)
 
 
 class PagedKVStore(CacheStore):

@@ -21,6 +21,8 @@ class RequestOutput:
     """Seconds from arrival to the first generated token."""
     latency: float | None
     preemptions: int
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
 
     @classmethod
     def of(cls, request: Request) -> RequestOutput:
@@ -35,6 +37,7 @@ class RequestOutput:
             ttft=None if request.first_token_time is None else request.first_token_time - request.arrival,
             latency=None if request.finish_time is None else request.finish_time - request.arrival,
             preemptions=request.preemptions,
+            cached_tokens=request.cached_tokens or 0,
         )
 
 
@@ -47,6 +50,8 @@ class StreamDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
+    cached_tokens: int = 0
+    """Prompt tokens of the request whose KV came from the prefix cache."""
 
     @property
     def finished(self) -> bool:

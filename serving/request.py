@@ -81,6 +81,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     preemptions: int = 0
+    cached_tokens: int | None = None
+    """Prompt tokens found in the prefix cache when first admitted (not computed)."""
 
     @property
     def all_ids(self) -> list[int]:

@@ -77,13 +77,18 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.slot, request.status = slot, RequestStatus.RUNNING
+            request.num_computed = self.kv.reuse_prefix(slot, request.all_ids)
+            if request.cached_tokens is None:  # what usage reports: the first admission's
+                request.cached_tokens = min(request.num_computed, len(request.prompt_ids))
+            n = min(request.length - request.num_computed, budget)
             self.running.append(request)
             plan.append((request, n))
             budget -= n
         return plan
 
     def _preempt(self, request: Request) -> None:
-        """Frees a running request's slot; it waits at the front and is recomputed from scratch."""
+        """Frees a running request's slot; it waits at the front and is recomputed (but for what
+        the prefix cache still holds when it is admitted again)."""
         self._release(request)
         request.status, request.num_computed = RequestStatus.WAITING, 0
         request.preemptions += 1

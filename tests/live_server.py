@@ -33,13 +33,14 @@ class LiveServer:
         return self.engine.call(fn).result(timeout)
 
     def pages_back_in_pool(self) -> tuple[int, int, int]:
-        """(free slots, free pages, pool pages) once idle slots give their pages back."""
+        """(free slots, free pages, pool pages) once idle slots and the prefix cache give their pages back."""
 
         def release(engine: LLMEngine) -> tuple[int, int, int]:
             cache = engine.kv.cache
             assert cache.stats().active_bytes == 0
             cache.wait_for_background()
             cache.release_idle()
+            cache.evict_prefix_cache()
             return cache.num_free_slots(), cache.num_free_pages(), cache.stats().pool_pages
 
         return self.on_engine(release)

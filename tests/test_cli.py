@@ -23,6 +23,7 @@ def test_help_lists_every_option() -> None:
     for option in (
         *("--model", "--dtype", "--host", "--port", "--page-size", "--max-slots", "--kv-budget", "--api-key"),
         *("--api-key-file", "--allowed-hosts", "--header-timeout", "--body-timeout", "--shutdown-timeout"),
+        *("--prefix-caching", "--no-prefix-caching"),
     ):
         assert option in result.stdout, option
 
@@ -64,7 +65,15 @@ def test_a_kernel_of_the_other_cache_exits_with_a_message(capsys: pytest.Capture
     assert exit_info.value.code == 2 and "does not run on the paged KV cache" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("kv_cache", "announced"), [("virtual", "64 KiB pages"), ("paged", "16-token blocks")])
+def test_prefix_caching_on_the_paged_cache_exits_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--kv-cache", "paged", "--prefix-caching"])
+    assert exit_info.value.code == 2 and "the paged baseline has none" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kv_cache", "announced"), [("virtual", "64 KiB pages, prefix caching on"), ("paged", "16-token blocks")]
+)
 def test_serve_logs_ready_and_answers_on_loopback(kv_cache: str, announced: str) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -228,3 +228,30 @@ def test_bad_input_raises_value_error_and_queues_nothing(llm: LLM, make: Any, me
     with pytest.raises(ValueError, match=message):
         make(llm)
     assert not llm.engine.has_unfinished() and llm.engine.kv.cache.num_free_slots() == ENGINE["max_slots"]
+
+
+def test_the_prefix_cache_changes_no_token_across_eviction() -> None:
+    """Prompts behind a shared ~150-token system prompt and a unit of their own, 16 KiB pages
+    (a unit is 64 tokens, 3 page steps), a budget of 21 page steps: a request needs 11 and the
+    distinct units 18, so units are hit and evicted, and every greedy token equals the
+    engine's without a prefix cache."""
+    system = "You are a careful assistant for a lighthouse museum. " * 15
+    prompts = [system + prompt + " " + PROMPTS[-1] for prompt in PROMPTS[:4]] * 2  # a unit of their own
+    sizes = {**ENGINE, "max_slots": 1, "max_context": 256, "page_size": 16 << 10, "kv_budget": 20 << 20}
+    params = SamplingParams(max_tokens=8, temperature=0)
+    outputs = {}
+    for caching in (False, True):
+        llm = LLM(**sizes, prefix_caching=caching)
+        try:
+            outputs[caching] = run_staggered(llm, prompts, params)
+            stats = llm.engine.stats().kv
+            assert (stats.prefix.hits >= 2 * 64 * (len(prompts) - 2)) == caching  # the system prompt, mostly
+            assert (stats.prefix.evictions > 0) == caching
+            cache = llm.engine.kv.cache
+            cache.wait_for_background()
+            cache.release_idle()
+            cache.evict_prefix_cache()
+            assert cache.num_free_pages() == cache.stats().pool_pages
+        finally:
+            llm.close()
+    assert outputs[True] == outputs[False]

@@ -167,3 +167,24 @@ def test_not_ready_is_503() -> None:
         assert health.status_code == 503 and "failed to load" in health.json()["error"]["message"]
         body = {"model": MODEL, "prompt": PROMPT}
         assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 503
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_repeated_prompt_prefix_is_reported_cached(caching: bool) -> None:
+    """16 KiB pages make a prefix-cache unit 64 tokens: a ~170-token prompt sent twice has its
+    first two units mapped the second time, as usage and the metrics say (and none without)."""
+    prompt = "The lighthouse keeper climbed the stairs and lit the lamp. " * 14
+    with live_server(page_size=16 << 10, prefix_caching=caching) as running:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        first, second = (
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0) for _ in range(2)
+        )
+        assert first.usage is not None and second.usage is not None
+        assert first.usage.prompt_tokens_details is not None and second.usage.prompt_tokens_details is not None
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert second.usage.prompt_tokens_details.cached_tokens == (128 if caching else 0)
+        assert second.choices[0].text == first.choices[0].text
+        text = httpx.get(f"{running.url}/metrics").text
+        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[0] != "#"}
+        assert values["vattn:prefix_cache_hits_total"] == (128 if caching else 0)
+        assert values["vattn:prefix_cache_queries_total"] == (2 * first.usage.prompt_tokens if caching else 0)

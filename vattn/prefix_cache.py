@@ -48,6 +48,8 @@ class PrefixCounters:
     """Prompt tokens looked up."""
     hits: int = 0
     """... found cached (mapped instead of computed)."""
+    evictions: int = 0
+    """Units dropped to free their pages (or by `evict_prefix_cache`)."""
 
 
 class PrefixCache:
@@ -92,6 +94,7 @@ class PrefixCache:
     def evict(self, unit: CachedUnit) -> None:
         """Drops an entry and its references (pages no slot maps become free)."""
         del self._units[unit.digest]
+        self.counters.evictions += 1
         self._pool.give_back(page for step in unit.pages for page in step)
 
     def clear(self) -> None:

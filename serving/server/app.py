@@ -59,7 +59,8 @@ async def _announce_ready(engine: AsyncEngine, model_name: str, settings: Server
     if await asyncio.to_thread(engine.wait_ready):
         config = settings.engine_config
         cache = (
-            f"virtual KV cache, {config.page_size // KiB} KiB pages"
+            f"virtual KV cache, {config.page_size // KiB} KiB pages, prefix caching "
+            + ("on" if config.prefix_caching else "off")
             if config.kv_cache == "virtual"
             else f"paged KV cache, {config.block_size}-token blocks"
         )

@@ -89,6 +89,12 @@ def parser() -> argparse.ArgumentParser:
         "--page-size", type=size, help="physical KV page size (virtual; default 64K on the host, 2M on CUDA)"
     )
     serve.add_argument("--block-size", type=positive, default=defaults.block_size, help="tokens per KV block (paged)")
+    serve.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="map the KV pages of prompt prefixes seen before instead of computing them (default: on with "
+        "the virtual cache; the paged one has none)",
+    )
     serve.add_argument("--max-slots", type=positive, default=defaults.max_slots, help="requests running at once")
     serve.add_argument(
         "--max-context", type=positive, default=defaults.max_context, help="prompt + output tokens per request"

@@ -100,6 +100,9 @@ class ServerMetrics(Collector):
         yield gauge("kv_free_pages", "Physical pages in the pool, unmapped.", cache.free_bytes // cache.page_size)
         yield gauge("kv_pool_pages", "Physical pages the KV budget allows.", cache.pool_pages)
         yield gauge("kv_active_slots", "KV slots in use.", cache.active_slots)
+        yield gauge("kv_cached_bytes", "Bytes held only by the prefix cache.", cache.cached_bytes)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", cache.prefix.queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found there (mapped, not computed).", cache.prefix.hits)
         needs = CounterMetricFamily(
             "vattn:kv_page_needs", "Pages a step needed, by who had mapped them.", labels=["met_by"]
         )

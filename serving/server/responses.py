@@ -52,7 +52,9 @@ class ResponseShape(ABC):
         tokens: dict[int, int] = {}
         logprobs: dict[int, list[TokenLogprob]] = {}
         reasons: dict[int, str | None] = {}
+        cached: dict[int, int] = {}
         async for index, delta in group.deltas():
+            cached[index] = delta.cached_tokens
             texts[index] = texts.get(index, "") + delta.text
             tokens[index] = tokens.get(index, 0) + len(delta.token_ids)
             logprobs.setdefault(index, []).extend(delta.logprobs or [])
@@ -61,13 +63,16 @@ class ResponseShape(ABC):
             self.final_choice(i, texts[i], self.logprobs(logprobs[i], 0) if self.wants_logprobs else None, reasons[i])
             for i in sorted(reasons)
         ]
-        return self.envelope(self.object_name, choices, usage=usage(self.prompt_tokens, sum(tokens.values())))
+        counts = usage(self.prompt_tokens, sum(tokens.values()), sum(cached.values()))
+        return self.envelope(self.object_name, choices, usage=counts)
 
     async def stream(self, group: RequestGroup, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
         completion_tokens = 0
         offsets: dict[int, int] = {}
         started: set[int] = set()
+        cached: dict[int, int] = {}
         async for index, delta in group.deltas():
+            cached[index] = delta.cached_tokens
             completion_tokens += len(delta.token_ids)
             offset = offsets.get(index, 0)
             logprobs = self.logprobs(delta.logprobs, offset) if self.wants_logprobs else None
@@ -76,7 +81,8 @@ class ResponseShape(ABC):
             started.add(index)
             yield self.envelope(self.chunk_name, [self.choice(index, delta.text, logprobs, delta.finish_reason, first)])
         if include_usage:
-            yield self.envelope(self.chunk_name, [], usage=usage(self.prompt_tokens, completion_tokens))
+            counts = usage(self.prompt_tokens, completion_tokens, sum(cached.values()))
+            yield self.envelope(self.chunk_name, [], usage=counts)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

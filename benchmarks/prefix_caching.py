@@ -1,0 +1,164 @@
+"""Prefix caching and forking by page sharing, on and off in one run.
+
+- shared system prompt: `--system-tokens` of one system prompt before each of `--questions`
+  short questions (random token ids), `--concurrency` requests in flight (a new one starts
+  when one ends), 16 output tokens each.
+- multi-turn chat: `--chats` conversations of `--turns` turns; each turn's prompt is the
+  whole conversation so far (the previous prompt, its answer, a new question).
+
+For each, the engine with the prefix cache off, on (64 KiB pages: a unit is 256 tokens),
+and on with 16 KiB pages (64-token units): time to first token p50/p99, prompt tokens
+computed, hit rate, and the peak physical KV bytes (mapped + cached). Last, the physical
+KV bytes of n = 4 copies of a `--system-tokens` request: 4 independent requests against
+one request forked 3 times (`KVCache.fork_reqid`: whole pages shared, the partial one copied).
+
+    python -m benchmarks.prefix_caching [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+from tqdm import tqdm
+
+from benchmarks._common import RESULTS_DIR, command_line, machine_facts, percentiles, save_figure, write_results
+from serving import LLM, SamplingParams
+from vattn import KVCache, KVCacheConfig
+from vattn.sizes import KiB, MiB
+
+CONFIGS = (("off", 64 * KiB, False), ("on", 64 * KiB, True), ("on, 16 KiB pages", 16 * KiB, True))
+OUTPUT_TOKENS = 16
+
+
+def random_ids(generator: torch.Generator, count: int) -> list[int]:
+    return torch.randint(100, 40_000, (count,), generator=generator).tolist()
+
+
+def run_closed_loop(llm: LLM, chats: list[list[list[int]]], concurrency: int) -> dict[str, Any]:
+    """Runs each chat's turns in order (turn k's prompt: turn k-1's prompt and answer, then
+    its own new tokens), `concurrency` chats in flight; per-request TTFT and cache figures."""
+    engine, params = llm.engine, SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True)
+    pending = [list(chat) for chat in chats]
+    history: dict[int, list[int]] = {}
+    running: dict[str, int] = {}
+    ttft, computed, prompt_tokens, peak = [], 0, 0, 0
+    total = sum(map(len, chats))
+    with tqdm(total=total, desc="requests", leave=False) as bar:
+        while any(pending) or running:
+            for chat in range(len(pending)):
+                if len(running) >= concurrency:
+                    break
+                if pending[chat] and chat not in running.values():
+                    prompt = history.get(chat, []) + pending[chat].pop(0)
+                    history[chat] = prompt
+                    running[engine.add_request(prompt, params)] = chat
+            finished = [delta.request_id for delta in engine.step() if delta.finished]
+            kv = engine.stats().kv
+            peak = max(peak, kv.mapped_bytes + kv.cached_bytes)
+            for request_id in finished:
+                chat = running.pop(request_id)
+                output = engine.result(request_id)
+                history[chat] = history[chat] + output.token_ids
+                ttft.append(output.ttft or 0.0)
+                prompt_tokens += len(output.prompt_token_ids)
+                computed += len(output.prompt_token_ids) - output.cached_tokens
+                bar.update()
+    stats = engine.stats().kv.prefix
+    return {
+        "ttft_p50_s": percentiles(ttft)["p50"],
+        "ttft_p99_s": percentiles(ttft)["p99"],
+        "prompt_tokens": prompt_tokens,
+        "prompt_tokens_computed": computed,
+        "hit_rate": stats.hits / stats.queries if stats.queries else 0.0,
+        "peak_kv_bytes": peak,
+        "units_evicted": stats.evictions,
+    }
+
+
+def fork_memory(tokens: int, copies: int) -> list[dict[str, Any]]:
+    """Physical KV bytes of `copies` requests holding the same `tokens` tokens."""
+    config = KVCacheConfig(30, 3, 64, copies, tokens + 64, dtype="float32", page_size=64 * KiB, background=False)
+    rows = []
+    for how in ("independent", "forked"):
+        with KVCache(config) as cache:
+            first = cache.alloc_reqid()
+            cache.step({first: tokens})
+            for _ in range(copies - 1):
+                if how == "forked":
+                    cache.fork_reqid(first)
+                else:
+                    cache.step({cache.alloc_reqid(): tokens})
+            rows.append({"table": "n=4", "how": how, "tokens": tokens, "kv_bytes": cache.stats().mapped_bytes})
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--questions", type=int, default=64)
+    parser.add_argument("--system-tokens", type=int, default=1000)
+    parser.add_argument("--chats", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="a tiny run that checks the script")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.questions, args.system_tokens, args.chats, args.turns = 4, 300, 2, 2
+    generator = torch.Generator().manual_seed(0)
+    system = random_ids(generator, args.system_tokens)
+    workloads = {
+        "system prompt": [[system + random_ids(generator, 20)] for _ in range(args.questions)],
+        "multi-turn chat": [
+            [random_ids(generator, 300 if turn == 0 else 40) for turn in range(args.turns)] for _ in range(args.chats)
+        ],
+    }
+    longest = max(args.system_tokens + 20, 300 + 40 * (args.turns - 1) + OUTPUT_TOKENS * args.turns) + 64
+    rows: list[dict[str, Any]] = []
+    for workload, chats in workloads.items():
+        for name, page_size, caching in tqdm(CONFIGS, desc=workload):
+            llm = LLM(
+                max_slots=16, max_context=longest, kv_budget=1024 * MiB, page_size=page_size, prefix_caching=caching
+            )
+            figures = run_closed_loop(llm, chats, args.concurrency)
+            llm.close()
+            rows.append({"table": workload, "cache": name, **figures})
+    rows += fork_memory(args.system_tokens, 4)
+    payload = {"command": command_line(), "machine": machine_facts(), "args": vars(args), "rows": rows}
+    csv_path, json_path, png_path = write_results(args.out, "prefix_caching", rows, payload)
+    for row in rows:
+        print(
+            "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "table"),
+            f"({row['table']})",
+        )
+    plot(rows, png_path)
+    print(f"wrote {csv_path}, {json_path}, {png_path}")
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    measured = [r for r in rows if r["table"] != "n=4"]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for axis, key, label in (
+        (axes[0], "ttft_p50_s", "TTFT p50 (s)"),
+        (axes[1], "prompt_tokens_computed", "prompt tokens computed"),
+        (axes[2], "peak_kv_bytes", "peak KV bytes (mapped + cached)"),
+    ):
+        workloads = list(dict.fromkeys(r["table"] for r in measured))
+        for offset, (name, _, _) in enumerate(CONFIGS):
+            values = [next(r[key] for r in measured if r["table"] == w and r["cache"] == name) for w in workloads]
+            axis.bar([i + 0.27 * offset for i in range(len(workloads))], values, width=0.27, label=f"cache {name}")
+        axis.set_xticks([i + 0.27 for i in range(len(workloads))], workloads)
+        axis.set_ylabel(label)
+        axis.legend(fontsize=7)
+    save_figure(fig, path, command_line())
+
+
+if __name__ == "__main__":
+    main()
