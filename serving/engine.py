@@ -91,7 +91,9 @@ class LLMEngine:
     def add_requests(
         self, prompts: Sequence[str | Sequence[int]], params: Sequence[SamplingParams | None]
     ) -> list[str]:
-        """Queues prompt i with params i, all or none: a bad one withdraws those queued before it."""
+        """Queues prompt i with params i, all or none: a bad one withdraws those queued before it.
+        Repeats of a prompt (the `n` choices of one) fork the first one's KV instead of
+        computing the prompt again."""
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
@@ -100,6 +102,12 @@ class LLMEngine:
             for request_id in ids:
                 self.abort(request_id)
             raise
+        first: dict[tuple[int, ...], Request] = {}
+        for request_id in ids:
+            request = self._requests[request_id]
+            request.fork_of = first.setdefault(tuple(request.prompt_ids), request)
+            if request.fork_of is request:
+                request.fork_of = None
         return ids
 
     def abort(self, request_id: str) -> None:

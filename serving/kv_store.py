@@ -17,6 +17,7 @@ from torch import Tensor
 from serving.config import EngineConfig
 from serving.model_runner import ModelShape
 from vattn import CacheStats, KVCache, KVCacheConfig
+from vattn.errors import CapacityError
 from vattn.kernels import make_kernel
 from vattn.paged import PagedKVCache, PagedKVCacheConfig, make_paged_kernel
 
@@ -45,6 +46,10 @@ class KVStore(Protocol):
 
     def remember(self, slot: int, token_ids: Sequence[int]) -> None:
         """`token_ids` are the tokens whose KV the slot now holds: later requests may reuse them."""
+
+    def fork(self, slot: int) -> int | None:
+        """A new slot holding the same KV as `slot` (whole pages shared, not copied), or None if
+        there is no room or the store cannot share."""
 
     def grow(self, lengths: Mapping[int, int]) -> None:
         """Makes each slot hold its length before an iteration; all or nothing (OutOfPagesError)."""
@@ -79,6 +84,9 @@ class CacheStore:
 
     def remember(self, slot: int, token_ids: Sequence[int]) -> None:
         pass
+
+    def fork(self, slot: int) -> int | None:
+        return None
 
     def grow(self, lengths: Mapping[int, int]) -> None:
         self.cache.step(lengths)
@@ -126,6 +134,12 @@ class VirtualKVStore(CacheStore):
     def remember(self, slot: int, token_ids: Sequence[int]) -> None:
         if self._prefix_caching:
             self.cache.cache_prefix(slot, token_ids)
+
+    def fork(self, slot: int) -> int | None:
+        try:
+            return self.cache.fork_reqid(slot)
+        except CapacityError:
+            return None
 
 
 class PagedKVStore(CacheStore):

@@ -81,6 +81,9 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     preemptions: int = 0
+    fork_of: Request | None = None
+    """Another choice of the same prompt, submitted with it: this one waits until that one has
+    computed all but the prompt's last token, then maps its pages (`KVStore.fork`)."""
     cached_tokens: int | None = None
     """Prompt tokens found in the prefix cache when first admitted (not computed)."""
 

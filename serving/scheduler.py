@@ -66,25 +66,52 @@ class Scheduler:
         for request in self.running:
             if budget == 0:
                 break
-            n = min(request.length - request.num_computed, budget)
+            n = self._chunk(request, budget)
             plan.append((request, n))
             budget -= n
         while admit and self.waiting and budget > 0:
             request = self.waiting[0]
+            parent = request.fork_of
+            if parent is not None and parent.status is RequestStatus.RUNNING:
+                if parent.num_computed < len(parent.prompt_ids) - 1:
+                    break  # it waits for its parent's prompt, and the queue behind it too
+                slot = self.kv.fork(parent.slot) if parent.num_computed == len(parent.prompt_ids) - 1 else None
+                request.fork_of = None  # forked now, or (past the fork point) computed as usual
+                if slot is not None:
+                    request.num_computed = request.cached_tokens = parent.num_computed
+                    self._start(request, slot)
+                    plan.append((request, 1))
+                    budget -= 1
+                    continue
+            request.fork_of = None
             n = min(request.length, budget)
             slot = self.kv.admit(n)
             if slot is None:
                 break
-            self.waiting.popleft()
-            request.slot, request.status = slot, RequestStatus.RUNNING
             request.num_computed = self.kv.reuse_prefix(slot, request.all_ids)
             if request.cached_tokens is None:  # what usage reports: the first admission's
                 request.cached_tokens = min(request.num_computed, len(request.prompt_ids))
-            n = min(request.length - request.num_computed, budget)
-            self.running.append(request)
+            self._start(request, slot)
+            n = self._chunk(request, budget)
             plan.append((request, n))
             budget -= n
         return plan
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        """The tokens a running request computes next: the rest, within the budget, but a
+        prompt that other choices will fork stops before its last token for them."""
+        end = request.length
+        if request.num_computed < len(request.prompt_ids) - 1 and self._forks_waiting_on(request):
+            end = len(request.prompt_ids) - 1
+        return min(end - request.num_computed, budget)
+
+    def _start(self, request: Request, slot: int) -> None:
+        self.waiting.popleft()
+        request.slot, request.status = slot, RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _forks_waiting_on(self, request: Request) -> bool:
+        return any(waiting.fork_of is request for waiting in self.waiting)
 
     def _preempt(self, request: Request) -> None:
         """Frees a running request's slot; it waits at the front and is recomputed (but for what

@@ -255,3 +255,19 @@ def test_the_prefix_cache_changes_no_token_across_eviction() -> None:
         finally:
             llm.close()
     assert outputs[True] == outputs[False]
+
+
+def test_the_choices_of_a_prompt_fork_its_kv_and_sample_as_if_alone(llm: LLM) -> None:
+    """n = 4 choices of a prompt longer than an iteration's budget: the first computes all
+    but the last prompt token, the others map its pages (the partial one copied) and each
+    samples as it would alone."""
+    prompt, engine = PROMPTS[-1], llm.engine
+    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=seed) for seed in range(4)]
+    ids = engine.add_requests([prompt] * 4, params)
+    while engine.has_unfinished():
+        engine.step()
+    forked = [engine.result(request_id) for request_id in ids]
+    alone = [llm.generate([prompt], p, use_tqdm=False)[0] for p in params]
+    assert [o.token_ids for o in forked] == [o.token_ids for o in alone]
+    prompt_tokens = len(forked[0].prompt_token_ids)
+    assert [o.cached_tokens for o in forked] == [0] + [prompt_tokens - 1] * 3
