@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for workload, chats in workloads.items():
         for name, page_size, caching in tqdm(CONFIGS, desc=workload):
             llm = LLM(
-                max_slots=16, max_context=longest, kv_budget=1024 * MiB, page_size=page_size, prefix_caching=caching
+                max_slots=16, max_context=longest, kv_budget=384 * MiB, page_size=page_size, prefix_caching=caching
             )
             figures = run_closed_loop(llm, chats, args.concurrency)
             llm.close()
