@@ -46,6 +46,7 @@ def run_vattn(prompts: list[list[int]], args: argparse.Namespace) -> tuple[float
         max_context=max(map(len, prompts)) + args.output_tokens,
         max_batched_tokens=args.batched_tokens,
         kv_budget=args.kv_budget_mib * MiB,
+        prefix_caching=False,  # the warm-up's prompts come again: no cache hits
     )
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up

@@ -121,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_slots=max(batches),
             max_context=max(args.prompt_tokens + args.new_tokens, 2 * args.context),
             page_size=256 * KiB,  # several engines share the process's map-count budget
+            prefix_caching=False,  # repeated prompts measure compute, not the cache
             **CONFIGS[name],
         )
         for name in configs

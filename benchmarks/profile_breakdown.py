@@ -49,7 +49,7 @@ def top_operators(call: Callable[[], object], top: int) -> tuple[float, list[dic
 
 
 def decode_rows(config: str, batch: int, context: int, steps: int, top: int) -> list[dict[str, Any]]:
-    llm = LLM(max_slots=batch, max_context=context + 3 * steps + 8, **CONFIGS[config])
+    llm = LLM(max_slots=batch, max_context=context + 3 * steps + 8, prefix_caching=False, **CONFIGS[config])
     engine = llm.engine
     params = SamplingParams(max_tokens=3 * steps + 4, temperature=0, ignore_eos=True)
     for prompt in make_prompts(batch, context, context, llm.tokenizer.vocab_size, seed=1):
@@ -71,7 +71,7 @@ def decode_rows(config: str, batch: int, context: int, steps: int, top: int) -> 
 
 
 def prefill_rows(prompt_tokens: int, top: int) -> list[dict[str, Any]]:
-    llm = LLM(max_slots=2, max_context=prompt_tokens + 8)
+    llm = LLM(max_slots=2, max_context=prompt_tokens + 8, prefix_caching=False)
     ids = long_prompt(llm, prompt_tokens)
     params = SamplingParams(max_tokens=1, temperature=0)
     llm.generate([ids], params, use_tqdm=False)  # warm
