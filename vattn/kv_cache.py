@@ -514,16 +514,17 @@ class KVCache:
         nxt = self._next_free_slot()
         idle = sorted((s for s in self._slots if not s.active and s is not nxt), key=lambda s: len(s.pages))
         active = [s for s in self._slots if s.active] if for_step else []
-        spare: list[Reclaim] = []
-        for slot in idle + ([nxt] if nxt else []) + active:
-            if slot is nxt and for_step:
-                spare += self._prefix.units()
-            need = keep.get(slot.index, self.config.pages_for(slot.length) if slot.active else 0)
-            if len(slot.pages) > need and not slot.pinned():
-                spare.append((slot, len(slot.pages) - need))
-        if for_step and nxt is None:
-            spare += self._prefix.units()
-        return spare
+
+        def tails(slots: list[Slot]) -> list[Reclaim]:
+            spare: list[Reclaim] = []
+            for slot in slots:
+                need = keep.get(slot.index, self.config.pages_for(slot.length) if slot.active else 0)
+                if len(slot.pages) > need and not slot.pinned():
+                    spare.append((slot, len(slot.pages) - need))
+            return spare
+
+        units: list[Reclaim] = list(self._prefix.units()) if for_step else []
+        return tails(idle) + units + tails([nxt] if nxt else []) + tails(active)
 
     def _available_pages(self, keep: Mapping[int, int]) -> int:
         """Free pages plus those that reclaiming everything a step may take would free: the
