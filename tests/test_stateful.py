@@ -32,7 +32,6 @@ from vattn.slot import Slot
 
 MAX_SLOTS, LAYERS = 6, 3
 operations = 0
-cached_tokens = 0
 
 
 def choose(data: st.DataObject, items: list[Any]) -> Any:
@@ -226,8 +225,6 @@ class CacheMachine(RuleBasedStateMachine):
         reqid = self.cache.alloc_reqid()
         cached = self.cache.match_prefix(reqid, prompt)
         assert cached % self.cache.config.unit_tokens == 0 and cached < len(prompt)
-        global cached_tokens
-        cached_tokens += cached
         self.generations[reqid] = Generation(torch.empty(0, device=self.cache.device)).grown(
             prompt[:cached], self.cache.device
         )
@@ -345,8 +342,8 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 def run_machine(machine: type[CacheMachine], examples: int, steps: int, min_operations: int) -> None:
-    global operations, cached_tokens
-    operations = cached_tokens = 0
+    global operations
+    operations = 0
     run_state_machine_as_test(
         machine,
         settings=settings(
@@ -354,7 +351,6 @@ def run_machine(machine: type[CacheMachine], examples: int, steps: int, min_oper
         ),
     )
     assert operations >= min_operations, f"only {operations} operations ran"
-    assert cached_tokens > 0, "no prompt was ever found in the prefix cache"
 
 
 def test_random_operations_keep_the_invariants() -> None:
