@@ -7,7 +7,7 @@ import re
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -189,6 +189,22 @@ def attention_call(
 
     q, k, v = rand(shape.num_query_heads), rand(shape.num_kv_heads), rand(shape.num_kv_heads)
     return lambda: kernel.forward(0, planned, q, k, v)  # type: ignore[arg-type]
+
+
+def attention_seconds(
+    variants: Sequence[Variant], shape: ModelShape, batch: int, context: int, new_tokens: int, repeats: int
+) -> tuple[dict[Variant, float], list[tuple[Variant, Exception]]]:
+    """Each variant's `attention_call` built, run once and timed in alternating rounds: the
+    median seconds of those that run, and (variant, exception) for those that did not."""
+    calls: dict[Variant, Callable[[], torch.Tensor]] = {}
+    failures: list[tuple[Variant, Exception]] = []
+    for variant in variants:
+        try:
+            calls[variant] = attention_call(variant, shape, batch, context, new_tokens)
+            calls[variant]()
+        except Exception as exc:
+            failures.append((variant, exc))
+    return median_seconds(calls, repeats), failures
 
 
 def median_seconds(calls: Mapping[Key, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[Key, float]:

@@ -37,10 +37,9 @@ from paper_repro._harness import (
     PAPER_MODELS,
     ModelShape,
     Variant,
-    attention_call,
+    attention_seconds,
     make_llm,
     measured,
-    median_seconds,
     on_gpu,
     report_unmeasured,
     results_dir,
@@ -65,16 +64,10 @@ def attention_rows(
     rows = []
     for batch in tqdm(batches, desc="decode attention"):
         keys = {"table": "attention", "model": shape.name, "batch": batch, "context": context}
-        calls = {}
-        for variant in variants:
-            try:
-                calls[variant] = attention_call(variant, shape, batch, context, 1)
-                calls[variant]()
-            except Exception as exc:
-                rows.append(unmeasured(variant, exc, **keys))
-        for variant, seconds in median_seconds(calls, repeats).items():
+        timed, failures = attention_seconds(variants, shape, batch, context, 1, repeats)
+        rows += [unmeasured(variant, exc, **keys) for variant, exc in failures]
+        for variant, seconds in timed.items():
             rows.append(measured(variant, **keys, ms=1000 * seconds, tokens_per_s=batch / (seconds * shape.num_layers)))
-        del calls  # frees this batch's caches before the next is built
     return with_ratio(rows, ("batch",), "ms")
 
 

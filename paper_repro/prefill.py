@@ -36,10 +36,9 @@ from paper_repro._harness import (
     PAPER_MODELS,
     ModelShape,
     Variant,
-    attention_call,
+    attention_seconds,
     make_llm,
     measured,
-    median_seconds,
     on_gpu,
     report_unmeasured,
     results_dir,
@@ -58,14 +57,9 @@ def attention_rows(
     rows = []
     for shape, context in tqdm(shapes, desc="prefill attention"):
         keys = {"table": "attention", "model": shape.name, "context": context}
-        calls = {}
-        for variant in variants:
-            try:
-                calls[variant] = attention_call(variant, shape, 1, context, context)
-                calls[variant]()
-            except Exception as exc:
-                rows.append(unmeasured(variant, exc, **keys))
-        for variant, seconds in median_seconds(calls, repeats).items():
+        timed, failures = attention_seconds(variants, shape, 1, context, context, repeats)
+        rows += [unmeasured(variant, exc, **keys) for variant, exc in failures]
+        for variant, seconds in timed.items():
             rows.append(measured(variant, **keys, ms=1000 * seconds, tokens_per_s=context / seconds))
     return with_ratio(rows, ("model", "context"), "ms")
 
