@@ -11,8 +11,10 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+from torch import Tensor
 
 from serving.config import EngineConfig
 from serving.detokenizer import IncrementalDetokenizer
@@ -26,6 +28,16 @@ from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler
 from serving.stop_strings import find_stop, held_back
 from vattn import CacheStats
+
+
+class KVSequence(Protocol):
+    """What `LLMEngine.compute` reads and advances: tokens whose KV a slot holds up to `num_computed`."""
+
+    slot: int | None
+    num_computed: int
+
+    @property
+    def all_ids(self) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -69,10 +81,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        text, ids = prompt_token_ids(self.tokenizer, prompt)
-        if any(not 0 <= t < self._vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {self._vocab_size})")
-        generation_room(len(ids), self.max_context)
+        text, ids = self.encode(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -87,6 +96,15 @@ class LLMEngine:
         self._requests[request_id] = request
         self._scheduler.add(request)
         return request_id
+
+    def encode(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        """A prompt's text (None when given as ids) and token ids; ValueError unless it is
+        non-empty, in the vocabulary and leaves room to generate."""
+        text, ids = prompt_token_ids(self.tokenizer, prompt)
+        if any(not 0 <= t < self._vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self._vocab_size})")
+        generation_room(len(ids), self.max_context)
+        return text, ids
 
     def add_requests(
         self, prompts: Sequence[str | Sequence[int]], params: Sequence[SamplingParams | None]
@@ -155,23 +173,29 @@ class LLMEngine:
         return deltas
 
     def _run(self, requests: list[Request], new_tokens: list[int], samples: list[bool]) -> None:
-        ids: list[int] = []
-        for request, n in zip(requests, new_tokens, strict=True):
-            ids += request.all_ids[request.num_computed : request.num_computed + n]
-        attention = self.kv.plan([r.slot for r in requests], new_tokens)  # type: ignore[misc]
-        device = self.kv.device
-        hidden = self._runner.forward(torch.tensor(ids, device=device), attention)
-        for request, n in zip(requests, new_tokens, strict=True):
-            request.num_computed += n
-            self.kv.remember(request.slot, request.all_ids[: request.num_computed])  # type: ignore[arg-type]
-        self._iterations += 1
-        rows = [attention.starts[i + 1] - 1 for i, sampled in enumerate(samples) if sampled]
-        if not rows:
-            return
+        logits = self.compute(requests, new_tokens, samples)
         sampled = [request for request, wanted in zip(requests, samples, strict=True) if wanted]
-        logits = self._runner.logits(hidden[torch.tensor(rows, device=device)]).cpu()
         for request, (token, logprob) in zip(sampled, sample(logits, sampled, self._generator), strict=True):
             self._append(request, token, logprob)
+
+    def compute(self, sequences: Sequence[KVSequence], new_tokens: Sequence[int], wanted: Sequence[bool]) -> Tensor:
+        """One model iteration: sequence i's next `new_tokens[i]` tokens go into its slot (which
+        the caller grew), its `num_computed` advances and the prefix cache learns them. Returns
+        float32 CPU logits `[wanted, vocab]` after the last new token of each wanted sequence."""
+        ids: list[int] = []
+        for sequence, n in zip(sequences, new_tokens, strict=True):
+            ids += sequence.all_ids[sequence.num_computed : sequence.num_computed + n]
+        attention = self.kv.plan([s.slot for s in sequences], new_tokens)  # type: ignore[misc]
+        device = self.kv.device
+        hidden = self._runner.forward(torch.tensor(ids, device=device), attention)
+        for sequence, n in zip(sequences, new_tokens, strict=True):
+            sequence.num_computed += n
+            self.kv.remember(sequence.slot, sequence.all_ids[: sequence.num_computed])  # type: ignore[arg-type]
+        self._iterations += 1
+        rows = [attention.starts[i + 1] - 1 for i, w in enumerate(wanted) if w]
+        if not rows:
+            return torch.empty(0, self._vocab_size)
+        return self._runner.logits(hidden[torch.tensor(rows, device=device)]).cpu()
 
     def _append(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         """Adds a sampled token, its text, and ends the request if a stop condition is met."""

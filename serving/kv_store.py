@@ -56,6 +56,9 @@ class KVStore(Protocol):
 
     def free(self, slot: int) -> None: ...
 
+    def slot_bytes(self, num_tokens: int) -> int:
+        """Physical bytes one slot holding `num_tokens` tokens may map, at most."""
+
     def plan(self, slots: Sequence[int], new_tokens: Sequence[int]) -> IterationBatch:
         """One iteration's attention batch (new token positions included), shared by every layer."""
 
@@ -122,11 +125,14 @@ class VirtualKVStore(CacheStore):
             backend=config.backend,
             memory_budget=config.kv_budget,
         )
-        _check_budget(config, max_context, cache_config.pages_for(max_context) * cache_config.page_step_bytes)
         cache = KVCache(cache_config)
         kernel = config.kernel if config.kernel != "auto" else "ragged" if config.backend == "host" else "sdpa"
         super().__init__(cache, make_kernel(kernel, cache, shape.num_query_heads))
         self._prefix_caching = bool(config.prefix_caching)
+
+    def slot_bytes(self, num_tokens: int) -> int:
+        config = self.cache.config
+        return config.pages_for(num_tokens) * config.page_step_bytes
 
     def reuse_prefix(self, slot: int, token_ids: Sequence[int]) -> int:
         return self.cache.match_prefix(slot, token_ids) if self._prefix_caching else 0
@@ -158,23 +164,24 @@ class PagedKVStore(CacheStore):
             memory_budget=config.kv_budget,
             device="cuda" if config.backend == "cuda" else "cpu",
         )
-        _check_budget(config, max_context, cache_config.blocks_for(max_context) * cache_config.block_bytes)
         cache = PagedKVCache(cache_config)
         kernel = (
             config.kernel if config.kernel != "auto" else "paged" if config.backend == "host" else "paged_flashinfer"
         )
         super().__init__(cache, make_paged_kernel(kernel, cache, shape.num_query_heads))
 
+    def slot_bytes(self, num_tokens: int) -> int:
+        config = self.cache.config
+        return config.blocks_for(num_tokens) * config.block_bytes
 
-def _check_budget(config: EngineConfig, max_context: int, full_request: int) -> None:
-    if config.kv_budget < full_request:
+
+def make_kv_store(config: EngineConfig, shape: ModelShape, max_context: int) -> KVStore:
+    """The KV store `config.kv_cache` names; ValueError if its budget cannot hold one full request."""
+    store = (VirtualKVStore if config.kv_cache == "virtual" else PagedKVStore)(config, shape, max_context)
+    if (full_request := store.slot_bytes(max_context)) > config.kv_budget:
+        store.close()
         raise ValueError(
             f"kv_budget {config.kv_budget} B cannot hold one request at the max context "
             f"({max_context} tokens need {full_request} B): raise it or lower max_context"
         )
-
-
-def make_kv_store(config: EngineConfig, shape: ModelShape, max_context: int) -> KVStore:
-    """The KV store `config.kv_cache` names."""
-    store = VirtualKVStore if config.kv_cache == "virtual" else PagedKVStore
-    return store(config, shape, max_context)
+    return store

@@ -7,11 +7,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from serving.beam_search import BeamSearch
 from serving.chat_template import chat_prompt_ids
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
-from serving.outputs import RequestOutput, StreamDelta
-from serving.sampling_params import SamplingParams
+from serving.outputs import BeamSearchOutput, RequestOutput, StreamDelta
+from serving.sampling_params import BeamSearchParams, SamplingParams
 from vattn.config import is_int
 
 Prompt = str | list[int]
@@ -31,9 +32,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion in one continuous batch; outputs in prompt order."""
-        batch = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
-        if not batch:
-            raise ValueError("generate needs at least one prompt")
+        batch = _prompt_list(prompts, "generate")
         per_prompt = list(params) if isinstance(params, list | tuple) else [params] * len(batch)
         if len(per_prompt) != len(batch):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
@@ -42,6 +41,22 @@ class LLM:
             while self.engine.has_unfinished():
                 bar.update(sum(delta.finished for delta in self.engine.step()))
         return [self.engine.result(request_id) for request_id in ids]
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        beam_width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        ignore_eos: bool = False,
+        use_tqdm: bool = True,
+    ) -> list[BeamSearchOutput]:
+        """Each prompt's `beam_width` best continuations by beam search (HF generate's with
+        num_beams=beam_width), best first; beams share their KV pages (serving.beam_search)."""
+        batch = _prompt_list(prompts, "beam_search")
+        search = BeamSearch(self.engine, BeamSearchParams(beam_width, max_tokens, length_penalty, ignore_eos))
+        with tqdm(total=len(batch), desc="beam search", unit="prompt", disable=not use_tqdm) as bar:
+            return search.run(batch, on_done=lambda: bar.update(1))
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yields one request's text as it is generated; closing the iterator aborts it."""
@@ -68,6 +83,14 @@ class LLM:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt], caller: str) -> list[Prompt]:
+    """One prompt or several, as a non-empty list."""
+    batch = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
+    if not batch:
+        raise ValueError(f"{caller} needs at least one prompt")
+    return batch  # type: ignore[return-value]
 
 
 def _is_token_ids(prompt: object) -> bool:

@@ -56,3 +56,25 @@ class StreamDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class BeamSequence:
+    """One finished beam."""
+
+    token_ids: list[int]
+    """Generated tokens, the EOS that ended the beam included."""
+    text: str
+    cum_logprob: float
+    score: float
+    """`cum_logprob / len(token_ids) ** length_penalty`: what the beams are ranked by."""
+    finish_reason: str
+    """"stop" (EOS) or "length" (max_tokens)."""
+
+
+@dataclass(frozen=True)
+class BeamSearchOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence]
+    """The `beam_width` best finished beams, best first."""

@@ -67,3 +67,22 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperatures this small are argmax in all but name (and would overflow the softmax)."""
         return self.temperature < GREEDY_BELOW
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's offline beam search parameters; the search itself is HF generate(num_beams=...)'s."""
+
+    beam_width: int
+    max_tokens: int
+    length_penalty: float = 1.0
+    """A finished beam scores cumulative log-probability / generated tokens ** length_penalty."""
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not is_int(self.beam_width) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")

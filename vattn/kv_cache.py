@@ -196,12 +196,15 @@ class KVCache:
                 self._unmap_tail([(child, len(child.pages))])
             self._make_room(partial * width, {parent.index: len(parent.pages), child.index: 0})
             self._map_shared(child, parent.pages[:whole])
+            tail = written - whole * cfg.page_size
             if partial:
                 self._map([(child, 1)], Origin.STEP)
-                tail = written - whole * cfg.page_size
                 for base in self._bases:
                     source, target = (base + cfg.page_offset(s.index, whole) for s in (parent, child))
                     self.backend.tensor(target, tail, mapped=True).copy_(self.backend.tensor(source, tail, mapped=True))
+            self._counters.forks += 1
+            self._counters.fork_shared_pages += whole * width
+            self._counters.fork_copied_bytes += tail * len(self._bases)
             parent.shared_steps = max(parent.shared_steps, whole)
             child.active, child.length, child.shared_steps = True, parent.length, whole
             child.digests = list(parent.digests)

@@ -42,6 +42,12 @@ class MappingCounters:
     """... already mapped because the slot kept a finished request's pages."""
     needs_mapped_in_step: int = 0
     """... that step() had to map itself, on the critical path."""
+    forks: int = 0
+    """fork_reqid calls that succeeded."""
+    fork_shared_pages: int = 0
+    """Pages the forks mapped behind their new slots instead of copying."""
+    fork_copied_bytes: int = 0
+    """Bytes the forks copied: each one's last partial page, in every virtual tensor."""
 
     def count_needs(self, already_mapped: Iterable[bool], mapped_in_step: int) -> None:
         """Page needs of one step(): for those mapped before it, whether the background thread did it."""
