@@ -7,6 +7,7 @@ the KV store, and the model runner attends through it.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
 from collections.abc import Sequence
@@ -110,8 +111,8 @@ class LLMEngine:
         self, prompts: Sequence[str | Sequence[int]], params: Sequence[SamplingParams | None]
     ) -> list[str]:
         """Queues prompt i with params i, all or none: a bad one withdraws those queued before it.
-        Repeats of a prompt (the `n` choices of one) fork the first one's KV instead of
-        computing the prompt again."""
+        A prompt that begins like an earlier one of the batch (the `n` choices of one, or a
+        shared system prompt) forks that one's KV instead of computing the shared part again."""
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
@@ -120,12 +121,8 @@ class LLMEngine:
             for request_id in ids:
                 self.abort(request_id)
             raise
-        first: dict[tuple[int, ...], Request] = {}
-        for request_id in ids:
-            request = self._requests[request_id]
-            request.fork_of = first.setdefault(tuple(request.prompt_ids), request)
-            if request.fork_of is request:
-                request.fork_of = None
+        if (min_tokens := self.kv.fork_min_tokens()) is not None:
+            plan_forks([self._requests[request_id] for request_id in ids], min_tokens)
         return ids
 
     def abort(self, request_id: str) -> None:
@@ -238,3 +235,28 @@ class LLMEngine:
 
     def close(self) -> None:
         self.kv.close()
+
+
+def plan_forks(requests: Sequence[Request], min_tokens: int) -> None:
+    """Points each request at the earlier one whose prompt shares the longest prefix with its
+    own, to fork it there: always for an equal prompt, else when `min_tokens` are shared.
+    Both keep at least their last prompt token to compute (its logits are needed)."""
+    earlier: list[tuple[tuple[int, ...], Request]] = []  # sorted: the longest match is a neighbour
+    for request in requests:
+        key = tuple(request.prompt_ids)
+        at = bisect.bisect(earlier, key, key=lambda entry: entry[0])
+        best, point = None, 0
+        for _, other in earlier[max(0, at - 1) : at + 1]:
+            shared = _common_prefix(other.prompt_ids, request.prompt_ids)
+            candidate = min(shared, len(other.prompt_ids) - 1, len(request.prompt_ids) - 1)
+            if candidate > point:
+                best, point = other, candidate
+        while best is not None and best.fork_of is not None and best.fork_at >= point:
+            best = best.fork_of  # which computes the prefix itself rather than forking past it
+        if best is not None and (best.prompt_ids == request.prompt_ids or point >= min_tokens):
+            request.fork_of, request.fork_at = best, point
+        earlier.insert(at, (key, request))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -51,6 +51,9 @@ class KVStore(Protocol):
         """A new slot holding the same KV as `slot` (whole pages shared, not copied), or None if
         there is no room or the store cannot share."""
 
+    def fork_min_tokens(self) -> int | None:
+        """The fewest tokens whose fork shares a whole page (None: the store cannot fork)."""
+
     def grow(self, lengths: Mapping[int, int]) -> None:
         """Makes each slot hold its length before an iteration; all or nothing (OutOfPagesError)."""
 
@@ -89,6 +92,9 @@ class CacheStore:
         pass
 
     def fork(self, slot: int) -> int | None:
+        return None
+
+    def fork_min_tokens(self) -> int | None:
         return None
 
     def grow(self, lengths: Mapping[int, int]) -> None:
@@ -146,6 +152,10 @@ class VirtualKVStore(CacheStore):
             return self.cache.fork_reqid(slot)
         except CapacityError:
             return None
+
+    def fork_min_tokens(self) -> int | None:
+        config = self.cache.config
+        return -(-config.page_size // config.bytes_per_token)
 
 
 class PagedKVStore(CacheStore):

@@ -82,8 +82,9 @@ class Request:
     finish_time: float | None = None
     preemptions: int = 0
     fork_of: Request | None = None
-    """Another choice of the same prompt, submitted with it: this one waits until that one has
-    computed all but the prompt's last token, then maps its pages (`KVStore.fork`)."""
+    """A request submitted before this one whose prompt begins the same: this one waits until
+    that one has computed `fork_at` tokens, then maps its pages (`KVStore.fork`)."""
+    fork_at: int = 0
     cached_tokens: int | None = None
     """Prompt tokens found in the prefix cache when first admitted (not computed)."""
 

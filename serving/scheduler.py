@@ -69,49 +69,53 @@ class Scheduler:
             n = self._chunk(request, budget)
             plan.append((request, n))
             budget -= n
+        if admit:
+            for request in [w for w in self.waiting if self._can_fork(w)]:
+                if budget == 0:
+                    break
+                slot = self.kv.fork(request.fork_of.slot)  # type: ignore[union-attr]
+                request.fork_of = None  # forked now, or computed as usual when its turn comes
+                if slot is not None:
+                    request.num_computed = request.cached_tokens = request.fork_at
+                    budget -= self._start(request, slot, budget, plan)
         while admit and self.waiting and budget > 0:
             request = self.waiting[0]
             parent = request.fork_of
-            if parent is not None and parent.status is RequestStatus.RUNNING:
-                if parent.num_computed < len(parent.prompt_ids) - 1:
-                    break  # it waits for its parent's prompt, and the queue behind it too
-                slot = self.kv.fork(parent.slot) if parent.num_computed == len(parent.prompt_ids) - 1 else None
-                request.fork_of = None  # forked now, or (past the fork point) computed as usual
-                if slot is not None:
-                    request.num_computed = request.cached_tokens = parent.num_computed
-                    self._start(request, slot)
-                    plan.append((request, 1))
-                    budget -= 1
-                    continue
-            request.fork_of = None
-            n = min(request.length, budget)
-            slot = self.kv.admit(n)
+            if parent is not None and parent.status is RequestStatus.RUNNING and parent.num_computed < request.fork_at:
+                break  # it waits for its parent's prefix, and the queue behind it too
+            request.fork_of = None  # its parent went past the fork point, or stopped: computed as usual
+            slot = self.kv.admit(min(request.length, budget))
             if slot is None:
                 break
             request.num_computed = self.kv.reuse_prefix(slot, request.all_ids)
             if request.cached_tokens is None:  # what usage reports: the first admission's
                 request.cached_tokens = min(request.num_computed, len(request.prompt_ids))
-            self._start(request, slot)
-            n = self._chunk(request, budget)
-            plan.append((request, n))
-            budget -= n
+            budget -= self._start(request, slot, budget, plan)
         return plan
+
+    @staticmethod
+    def _can_fork(request: Request) -> bool:
+        """Whether a waiting request's parent holds exactly the prefix it forks."""
+        parent = request.fork_of
+        return parent is not None and parent.status is RequestStatus.RUNNING and parent.num_computed == request.fork_at
 
     def _chunk(self, request: Request, budget: int) -> int:
         """The tokens a running request computes next: the rest, within the budget, but a
-        prompt that other choices will fork stops before its last token for them."""
+        prompt that waiting requests will fork stops at the first fork point ahead."""
         end = request.length
-        if request.num_computed < len(request.prompt_ids) - 1 and self._forks_waiting_on(request):
-            end = len(request.prompt_ids) - 1
+        if request.num_computed < len(request.prompt_ids) - 1:  # fork points lie in prompts, before their end
+            points = [w.fork_at for w in self.waiting if w.fork_of is request and w.fork_at > request.num_computed]
+            end = min(points, default=end)
         return min(end - request.num_computed, budget)
 
-    def _start(self, request: Request, slot: int) -> None:
-        self.waiting.popleft()
+    def _start(self, request: Request, slot: int, budget: int, plan: list[tuple[Request, int]]) -> int:
+        """Moves a waiting request into `slot` and plans its first chunk; returns the chunk's tokens."""
+        self.waiting.remove(request)
         request.slot, request.status = slot, RequestStatus.RUNNING
         self.running.append(request)
-
-    def _forks_waiting_on(self, request: Request) -> bool:
-        return any(waiting.fork_of is request for waiting in self.waiting)
+        n = self._chunk(request, budget)
+        plan.append((request, n))
+        return n
 
     def _preempt(self, request: Request) -> None:
         """Frees a running request's slot; it waits at the front and is recomputed (but for what

@@ -11,7 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from serving import LLM, SamplingParams
 from serving.detokenizer import IncrementalDetokenizer
+from serving.engine import plan_forks
 from serving.model_store import default_gguf, ensure_default_model
+from serving.request import Request
 
 PROMPTS = [
     "The capital of France is",
@@ -271,3 +273,44 @@ def test_the_choices_of_a_prompt_fork_its_kv_and_sample_as_if_alone(llm: LLM) ->
     assert [o.token_ids for o in forked] == [o.token_ids for o in alone]
     prompt_tokens = len(forked[0].prompt_token_ids)
     assert [o.cached_tokens for o in forked] == [0] + [prompt_tokens - 1] * 3
+
+
+def test_prompts_sharing_a_prefix_fork_it_instead_of_computing_it_each() -> None:
+    """A system prompt longer than a page before three questions, submitted together: the first
+    computes it, the others fork it at their common prefix and answer as they would alone."""
+    system = PROMPTS[-1] * 3  # ~180 tokens: two whole 64 KiB pages of the default model
+    questions = [system + " Question: who is the keeper?", system + " Question: what is the boat?", system]
+    llm = LLM(**ENGINE)
+    try:
+        engine = llm.engine
+        ids = engine.add_requests(questions, [GREEDY] * 3)
+        while engine.has_unfinished():
+            engine.step()
+        together = [engine.result(request_id) for request_id in ids]
+        forks = engine.kv.stats().counters.forks
+        engine.kv.cache.evict_prefix_cache()
+        alone = [llm.generate([q], GREEDY, use_tqdm=False)[0] for q in questions]
+    finally:
+        llm.close()
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    first, second, third = (o.prompt_token_ids for o in together)
+    shared = next(i for i, (x, y) in enumerate(zip(first, second, strict=False)) if x != y)
+    assert forks == 2
+    assert [o.cached_tokens for o in together] == [0, shared, len(third) - 1]  # third is a prefix of first
+
+
+def test_fork_planning_picks_the_longest_shared_prefix() -> None:
+    """`plan_forks`: the earlier prompt sharing the most; equal prompts always; short matches never."""
+
+    def request(ids: list[int]) -> Request:
+        return Request("r", None, ids, GREEDY, None, None)  # type: ignore[arg-type]
+
+    ids = ([1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 3, 4, 7, 8], [1, 2, 3, 4, 7, 9], [1, 2, 3], [7, 7], [7, 7])
+    a, b, c, d, e, f, g = (request(prompt) for prompt in ids)
+    plan_forks([a, b, c, d, e, f, g], min_tokens=2)
+    assert (b.fork_of, b.fork_at) == (a, 3)
+    assert (c.fork_of, c.fork_at) == (a, 4)  # a shares 4 tokens, b only 3
+    assert (d.fork_of, d.fork_at) == (c, 5)
+    assert (e.fork_of, e.fork_at) == (a, 2)  # not b, which forks a past that point: a computes it
+    assert a.fork_of is None and f.fork_of is None  # f shares nothing earlier
+    assert (g.fork_of, g.fork_at) == (f, 1)  # equal prompts fork below min_tokens, at their last token
