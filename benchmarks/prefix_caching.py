@@ -8,9 +8,13 @@
 
 For each, the engine with the prefix cache off, on (64 KiB pages: a unit is 256 tokens),
 and on with 16 KiB pages (64-token units): time to first token p50/p99, prompt tokens
-computed, hit rate, and the peak physical KV bytes (mapped + cached). Last, the physical
+computed, hit rate, and two peaks of physical KV bytes: those the running requests map
+(what they need; a shared page counts once) and those held (mapped, idle slots' pages
+kept for reuse included, + cached: all of it reclaimable on demand). Last, the physical
 KV bytes of n = 4 copies of a `--system-tokens` request: 4 independent requests against
 one request forked 3 times (`KVCache.fork_reqid`: whole pages shared, the partial one copied).
+Also: one request's TTFT alone, cold and with its system prompt cached; and what beam
+search (width 4, 16 tokens) after the system prompt shares and copies by forking.
 
     python -m benchmarks.prefix_caching [--quick]
 """
@@ -49,7 +53,7 @@ def run_closed_loop(llm: LLM, chats: list[list[list[int]]], concurrency: int) ->
     pending = [list(chat) for chat in chats]
     history: dict[int, list[int]] = {}
     running: dict[str, int] = {}
-    ttft, computed, prompt_tokens, peak = [], 0, 0, 0
+    ttft, computed, prompt_tokens, peak_active, peak_held = [], 0, 0, 0, 0
     total = sum(map(len, chats))
     with tqdm(total=total, desc="requests", leave=False) as bar:
         while any(pending) or running:
@@ -62,7 +66,8 @@ def run_closed_loop(llm: LLM, chats: list[list[list[int]]], concurrency: int) ->
                     running[engine.add_request(prompt, params)] = chat
             finished = [delta.request_id for delta in engine.step() if delta.finished]
             kv = engine.stats().kv
-            peak = max(peak, kv.mapped_bytes + kv.cached_bytes)
+            peak_active = max(peak_active, kv.active_bytes)
+            peak_held = max(peak_held, kv.mapped_bytes + kv.cached_bytes)
             for request_id in finished:
                 chat = running.pop(request_id)
                 output = engine.result(request_id)
@@ -78,7 +83,8 @@ def run_closed_loop(llm: LLM, chats: list[list[list[int]]], concurrency: int) ->
         "prompt_tokens": prompt_tokens,
         "prompt_tokens_computed": computed,
         "hit_rate": stats.hits / stats.queries if stats.queries else 0.0,
-        "peak_kv_bytes": peak,
+        "peak_active_kv_bytes": peak_active,
+        "peak_held_kv_bytes": peak_held,
         "units_evicted": stats.evictions,
     }
 
@@ -98,6 +104,45 @@ def fork_memory(tokens: int, copies: int) -> list[dict[str, Any]]:
                     cache.step({cache.alloc_reqid(): tokens})
             rows.append({"table": "n=4", "how": how, "tokens": tokens, "kv_bytes": cache.stats().mapped_bytes})
     return rows
+
+
+def single_prefill(system: list[int], questions: list[list[int]]) -> list[dict[str, Any]]:
+    """TTFT of one request alone: cold, then (another question) with the system prompt cached."""
+    rows = []
+    for name, page_size, _ in CONFIGS[1:]:
+        llm = LLM(max_slots=4, max_context=len(system) + 64, kv_budget=256 * MiB, page_size=page_size)
+        params = SamplingParams(max_tokens=1, temperature=0)
+        llm.generate([system[::-1] + questions[0]], params, use_tqdm=False)  # warm-up, sharing nothing
+        for state, question in (("cold", questions[0]), ("system prompt cached", questions[1])):
+            [out] = llm.generate([system + question], params, use_tqdm=False)
+            computed = len(out.prompt_token_ids) - out.cached_tokens
+            rows.append(
+                {
+                    "table": "one request",
+                    "cache": f"{name}, {state}",
+                    "ttft_p50_s": out.ttft,
+                    "prompt_tokens_computed": computed,
+                }
+            )
+        llm.close()
+    return rows
+
+
+def beam_forks(prompt: list[int], width: int = 4, max_tokens: int = 16) -> dict[str, Any]:
+    """Bytes beam search's forks shared (mapped) and copied, on 64 KiB pages."""
+    llm = LLM(max_slots=8, max_context=len(prompt) + max_tokens + 1, kv_budget=256 * MiB, prefix_caching=False)
+    llm.beam_search([prompt], beam_width=width, max_tokens=max_tokens, use_tqdm=False)
+    stats = llm.engine.stats().kv
+    llm.close()
+    counters = stats.counters
+    return {
+        "table": "beam search",
+        "how": f"width {width}, {max_tokens} tokens",
+        "tokens": len(prompt),
+        "forks": counters.forks,
+        "shared_bytes": counters.fork_shared_pages * stats.page_size,
+        "copied_bytes": counters.fork_copied_bytes,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -131,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             llm.close()
             rows.append({"table": workload, "cache": name, **figures})
     rows += fork_memory(args.system_tokens, 4)
+    rows += single_prefill(system, [chat[0][len(system) :] for chat in workloads["system prompt"][:2]])
+    rows.append(beam_forks(workloads["system prompt"][0][0]))
     payload = {"command": command_line(), "machine": machine_facts(), "args": vars(args), "rows": rows}
     csv_path, json_path, png_path = write_results(args.out, "prefix_caching", rows, payload)
     for row in rows:
@@ -143,12 +190,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    measured = [r for r in rows if r["table"] != "n=4"]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    measured = [r for r in rows if r["table"] in ("system prompt", "multi-turn chat")]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     for axis, key, label in (
         (axes[0], "ttft_p50_s", "TTFT p50 (s)"),
         (axes[1], "prompt_tokens_computed", "prompt tokens computed"),
-        (axes[2], "peak_kv_bytes", "peak KV bytes (mapped + cached)"),
+        (axes[2], "peak_active_kv_bytes", "peak KV bytes of running requests"),
+        (axes[3], "peak_held_kv_bytes", "peak KV bytes held (mapped + cached)"),
     ):
         workloads = list(dict.fromkeys(r["table"] for r in measured))
         for offset, (name, _, _) in enumerate(CONFIGS):
