@@ -8,8 +8,14 @@ from typing import Any
 ROLES = ("system", "user", "assistant")
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Token ids of a conversation with the assistant's turn opened; bad messages raise ValueError."""
+def chat_prompt_ids(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
+    """Token ids of a conversation with the assistant's turn opened (or, continuing the final
+    message, left open); bad messages raise ValueError."""
     if not isinstance(messages, list | tuple) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
     for message in messages:
@@ -17,5 +23,10 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> li
             raise ValueError(f"each message needs a role among {ROLES}, got {message!r}")
         if not isinstance(message.get("content"), str):
             raise ValueError(f"each message needs string content, got {message!r}")
-    rendered = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        list(messages),
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=False,
+    )
     return tokenizer.encode(rendered, add_special_tokens=False)

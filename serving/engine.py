@@ -28,6 +28,7 @@ from serving.sampler import sample
 from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler
 from serving.stop_strings import find_stop, held_back
+from serving.structured_output import GrammarCompiler, advance
 from vattn import CacheStats
 
 
@@ -59,6 +60,7 @@ class LLMEngine:
         shape = model_shape(model)
         self.max_context = min(config.max_context, shape.max_position)
         self._vocab_size = shape.vocab_size
+        self._grammars = GrammarCompiler(self.tokenizer, shape.vocab_size)
         self.kv: KVStore = make_kv_store(config, shape, self.max_context)
         """Slots and pages; callers read it through `stats()`, tests inspect the allocator behind it."""
         self._runner = ModelRunner(model, shape, self.kv.attend, config.quantization)
@@ -83,6 +85,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.encode(prompt)
+        params.check_token_ids(self._vocab_size)
+        matcher = None if params.structured_output is None else self._grammars.matcher(params.structured_output)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -93,6 +97,7 @@ class LLMEngine:
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
             generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
+            matcher=matcher,
         )
         self._requests[request_id] = request
         self._scheduler.add(request)
@@ -172,7 +177,8 @@ class LLMEngine:
     def _run(self, requests: list[Request], new_tokens: list[int], samples: list[bool]) -> None:
         logits = self.compute(requests, new_tokens, samples)
         sampled = [request for request, wanted in zip(requests, samples, strict=True) if wanted]
-        for request, (token, logprob) in zip(sampled, sample(logits, sampled, self._generator), strict=True):
+        choices = sample(logits, sampled, self.eos_token_ids, self._generator)
+        for request, (token, logprob) in zip(sampled, choices, strict=True):
             self._append(request, token, logprob)
 
     def compute(self, sequences: Sequence[KVSequence], new_tokens: Sequence[int], wanted: Sequence[bool]) -> Tensor:
@@ -203,12 +209,17 @@ class LLMEngine:
         if logprob is not None:
             request.logprobs.append(logprob)
         self._changed[request] = None
+        if request.matcher is not None:
+            advance(request.matcher, token)
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             self._finish(request, "stop")
             return
         new_text = request.detokenizer.add(token)
-        cut = find_stop(request.text, len(new_text), params.stop)
-        if cut is not None:
+        may_stop = len(request.output_ids) >= params.min_tokens
+        cut = find_stop(request.text, len(new_text), params.stop) if may_stop else None
+        if request.matcher is not None and request.matcher.is_stopped():
+            self._finish(request, "stop")  # the grammar is complete and allows nothing more
+        elif cut is not None:
             request.detokenizer.truncate(cut)
             self._finish(request, "stop")
         elif len(request.output_ids) >= params.max_tokens or request.length >= self.max_context:

@@ -20,12 +20,12 @@ class RequestStatus(Enum):
     FINISHED = "finished"
 
 
-def prompt_token_ids(tokenizer: Any, prompt: object) -> tuple[str | None, list[int]]:
+def prompt_token_ids(tokenizer: Any, prompt: object, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
     """A prompt's text (None when given as ids) and its token ids; ValueError if empty or mistyped."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty")
-        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+        return prompt, tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     ids = list(prompt) if isinstance(prompt, list | tuple) else None
     if ids is None or not all(is_int(t) for t in ids):
         raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
@@ -85,6 +85,8 @@ class Request:
     """A request submitted before this one whose prompt begins the same: this one waits until
     that one has computed `fork_at` tokens, then maps its pages (`KVStore.fork`)."""
     fork_at: int = 0
+    matcher: Any = None
+    """The grammar matcher of a request with structured output (serving.structured_output)."""
     cached_tokens: int | None = None
     """Prompt tokens found in the prefix cache when first admitted (not computed)."""
 

@@ -1,46 +1,136 @@
-"""Next tokens from logits, each request with its own temperature, top-k, top-p and random stream."""
+"""Next tokens from logits, one batched step for every request of an iteration.
+
+In vLLM's order: the grammar's token mask, `allowed_token_ids`, `min_tokens` (no EOS or stop
+token yet), `logit_bias`, the repetition, frequency and presence penalties; then argmax for
+greedy requests, and for the others temperature, min-p, top-k and top-p, and a draw from
+each request's own random stream. Each control is one tensor operation over the rows that
+use it: the only Python loops run over requests (a random number each) or over the token
+ids a request names, never over the vocabulary.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 from torch import Tensor
 
 from serving.request import Request, TokenLogprob
+from serving.structured_output import mask_disallowed
 
 
-def sample(logits: Tensor, requests: list[Request], fallback: torch.Generator) -> list[tuple[int, TokenLogprob | None]]:
-    """One token per row of `logits` `[rows, vocab]` (float32, CPU).
+@torch.inference_mode()
+def sample(
+    logits: Tensor, requests: list[Request], eos_token_ids: Collection[int], fallback: torch.Generator
+) -> list[tuple[int, TokenLogprob | None]]:
+    """One token per row of `logits` `[rows, vocab]` (float32, CPU), which it may change.
 
-    Log-probabilities are those of the model's own distribution (before temperature and
-    cuts), as vLLM reports them by default.
+    Log-probabilities are those of the model's own distribution (before any control), as
+    vLLM reports them by default.
     """
-    log_probs = torch.log_softmax(logits, dim=-1)
-    results = []
-    for row, request in zip(logits, requests, strict=True):
+    wants_logprobs = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    raw = torch.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None
+    _constrain(logits, requests, eos_token_ids)
+    _penalize(logits, requests)
+    tokens = _choose(logits, requests, fallback)
+    logprobs: list[TokenLogprob | None] = [None] * len(requests)
+    if raw is not None:
+        top_n = max(requests[i].params.logprobs or 0 for i in wants_logprobs)
+        top = raw.topk(top_n) if top_n else None
+        for k, i in enumerate(wants_logprobs):
+            n = requests[i].params.logprobs or 0
+            ids = top.indices[k, :n].tolist() if top is not None else []
+            values = top.values[k, :n].tolist() if top is not None else []
+            logprobs[i] = TokenLogprob(tokens[i], float(raw[k, tokens[i]]), tuple(zip(ids, values, strict=True)))
+    return list(zip(tokens, logprobs, strict=True))
+
+
+def _constrain(logits: Tensor, requests: list[Request], eos_token_ids: Collection[int]) -> None:
+    """Grammar masks, allowed tokens, min_tokens bans and logit biases, in place."""
+    constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
+    if constrained:
+        mask_disallowed(logits, constrained, [requests[i].matcher for i in constrained])
+    whitelisted = [i for i, r in enumerate(requests) if r.params.allowed_token_ids is not None]
+    if whitelisted:
+        allowed = torch.zeros(len(whitelisted), logits.shape[1], dtype=torch.bool)
+        for k, i in enumerate(whitelisted):
+            allowed[k, list(requests[i].params.allowed_token_ids)] = True  # type: ignore[arg-type]
+        logits[whitelisted] = logits[whitelisted].masked_fill(~allowed, float("-inf"))
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, request in enumerate(requests):
         params = request.params
-        if params.greedy:
-            token = int(row.argmax())
-        else:
-            token = _draw(row, params.temperature, params.top_k, params.top_p, request.generator or fallback)
-        logprob = None
-        if params.logprobs is not None:
-            own = log_probs[len(results)]
-            top = own.topk(params.logprobs) if params.logprobs else None
-            alternatives = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else ()
-            logprob = TokenLogprob(token, float(own[token]), alternatives)
-        results.append((token, logprob))
-    return results
+        if len(request.output_ids) < params.min_tokens:
+            banned = {*eos_token_ids, *params.stop_token_ids}
+            rows += [i] * len(banned)
+            cols += banned
+            values += [float("-inf")] * len(banned)
+        for token, bias in (params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token)
+            values.append(float(bias))
+    if rows:
+        where = (torch.tensor(rows), torch.tensor(cols))
+        logits.index_put_(where, torch.tensor(values, dtype=logits.dtype), accumulate=True)
 
 
-def _draw(row: Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator) -> int:
-    scaled = row / temperature
-    if 0 < top_k < scaled.shape[0]:
-        kth = scaled.topk(top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = scaled.softmax(-1)
-    if top_p < 1:
-        ordered, order = probs.sort(descending=True)
-        before = ordered.cumsum(-1) - ordered  # mass of the more likely tokens
-        ordered = ordered.masked_fill(before >= top_p, 0.0)  # the most likely one always stays
-        probs = torch.zeros_like(probs).scatter_(0, order, ordered)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def _penalize(logits: Tensor, requests: list[Request]) -> None:
+    """Repetition (prompt and output), then frequency and presence (output) penalties, in place."""
+    rows = [i for i, r in enumerate(requests) if r.params.penalized]
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    chosen = [requests[i] for i in rows]
+    output_counts = _counts([r.output_ids for r in chosen], vocab)
+    params = [r.params for r in chosen]
+    penalized = logits[rows]
+    repetition = torch.tensor([p.repetition_penalty for p in params])[:, None]
+    seen = (output_counts > 0) | (_counts([r.prompt_ids for r in chosen], vocab) > 0)
+    scaled = torch.where(penalized > 0, penalized / repetition, penalized * repetition)
+    penalized = torch.where(seen, scaled, penalized)
+    penalized -= torch.tensor([p.frequency_penalty for p in params])[:, None] * output_counts
+    penalized -= torch.tensor([p.presence_penalty for p in params])[:, None] * (output_counts > 0)
+    logits[rows] = penalized
+
+
+def _counts(sequences: list[list[int]], vocab: int) -> Tensor:
+    """`[len(sequences), vocab]` occurrence counts of each token id in each sequence."""
+    width = max(map(len, sequences), default=0)
+    ids = torch.full((len(sequences), width), vocab, dtype=torch.long)  # padding counts in a spare column
+    for k, sequence in enumerate(sequences):
+        ids[k, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+    counts = torch.zeros(len(sequences), vocab + 1)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def _choose(logits: Tensor, requests: list[Request], fallback: torch.Generator) -> list[int]:
+    tokens = logits.argmax(dim=-1).tolist()
+    drawn = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if not drawn:
+        return tokens
+    params = [requests[i].params for i in drawn]
+    probs = (logits[drawn] / torch.tensor([p.temperature for p in params])[:, None]).softmax(dim=-1)
+    if any(p.min_p for p in params):
+        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor([p.min_p for p in params])[:, None]
+        probs = probs.masked_fill(probs < floor, 0.0)
+    order = None
+    if any(p.top_k or p.top_p < 1 for p in params):
+        probs, order = probs.sort(dim=-1, descending=True)
+        vocab = probs.shape[1]
+        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])[:, None]
+        probs = probs.masked_fill(torch.arange(vocab)[None] >= k, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+        top_p = torch.tensor([p.top_p for p in params])[:, None]
+        probs = probs.masked_fill(before >= top_p, 0.0)  # the most likely one always stays
+    cdf = probs.cumsum(dim=-1)
+    # one number from each request's own stream, in (0, 1]: a token of probability 0 is never hit
+    uniform = torch.tensor([1 - float(torch.rand(1, generator=requests[i].generator or fallback)) for i in drawn])
+    picks = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[1] - 1)
+    if order is not None:
+        picks = order.gather(1, picks)
+    for i, token in zip(drawn, picks[:, 0].tolist(), strict=True):
+        tokens[i] = token
+    return tokens

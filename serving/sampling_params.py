@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from serving.structured_output import StructuredOutput
 from vattn.config import is_int
 
 GREEDY_BELOW = 1e-5
@@ -36,6 +37,22 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return the sampled token's log-probability and this many top alternatives (0: none)."""
+    min_tokens: int = 0
+    """Tokens generated before EOS, `stop_token_ids` or `stop` strings may end the request."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output already has (OpenAI's, in [-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per occurrence in the output so far (OpenAI's, in [-2, 2])."""
+    repetition_penalty: float = 1.0
+    """Divides positive logits (multiplies negative ones) of tokens in the prompt or output (HF's, > 0)."""
+    min_p: float = 0.0
+    """Drops tokens less likely than min_p times the most likely one (after temperature)."""
+    logit_bias: Mapping[int, float] | None = None
+    """Added to the logits of these token ids, each in [-100, 100] (OpenAI's)."""
+    allowed_token_ids: Sequence[int] | None = None
+    """Only these tokens may be generated (vLLM's)."""
+    structured_output: StructuredOutput | None = None
+    """A grammar the output must follow (serving.structured_output)."""
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -62,6 +79,37 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(value := getattr(self, name)) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, Mapping) or not all(is_int(t) and t >= 0 for t in bias):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+            if not all(_is_number(b) and -100 <= b <= 100 for b in bias.values()):
+                raise ValueError("logit_bias values must be numbers in [-100, 100]")
+            object.__setattr__(self, "logit_bias", dict(bias))
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            if not isinstance(allowed, tuple | list) or not allowed or not all(is_int(t) and t >= 0 for t in allowed):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """ValueError naming the field if a token id it lists is not in the vocabulary."""
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            if any(t >= vocab_size for t in getattr(self, name) or ()):
+                raise ValueError(f"{name} must hold token ids in [0, {vocab_size})")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:

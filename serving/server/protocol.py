@@ -31,26 +31,99 @@ class OpenAIBody(BaseModel):
 
 class StreamOptions(OpenAIBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: every chunk carries the usage so far (with include_usage)."""
+
+
+class JsonSchemaFormat(OpenAIBody):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    """Accepted either way: the schema is always enforced."""
+
+
+class ResponseFormat(OpenAIBody):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(OpenAIBody):
+    """vLLM's `structured_outputs` object: one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+UNSUPPORTED: dict[str, object] = {
+    "suffix": "",
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "bad_words": (),
+    "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
+    "tools": (),
+    "tool_choice": "none",
+    "functions": (),
+    "function_call": "none",
+    "chat_template": None,
+    "chat_template_kwargs": {},
+    "documents": (),
+    "mm_processor_kwargs": {},
+    "guided_whitespace_pattern": None,
+    "logits_processors": (),
+}
+"""vLLM or OpenAI request fields this server does not implement, with the value that asks for
+nothing: any other value is refused with 400 rather than silently ignored."""
 
 
 class SamplingFields(OpenAIBody):
-    """Fields both endpoints share. top_k, ignore_eos and stop_token_ids are vLLM's extensions."""
+    """Fields both endpoints share; all but OpenAI's own are vLLM's extensions."""
 
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, description="only equal to n: best-of selection is not supported")
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = Field(
         None, description=f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters"
     )
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Literal["guidance", "llguidance", "auto"] | None = None
+    structured_outputs: StructuredOutputsFields | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, neutral in UNSUPPORTED.items():
+                value = data.get(name)
+                if value is not None and value != neutral and not (value == [] and neutral == ()):
+                    raise PydanticCustomError("not_supported", "not supported by this server", {"param": name})
+        return data
 
     @model_validator(mode="after")
     def _text_is_unicode(self) -> SamplingFields:
@@ -69,7 +142,8 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
+    echo: bool = False
+    add_special_tokens: bool = True
 
 
 class TextPart(OpenAIBody):
@@ -92,6 +166,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    """vLLM's: the reply starts with the last message's content when that is the assistant's."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """vLLM's: the reply continues the last (assistant) message instead of opening a new one."""
+    add_special_tokens: bool = False
 
 
 def _lone_surrogate(value: object) -> str | None:

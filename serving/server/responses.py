@@ -23,13 +23,34 @@ class ResponseShape(ABC):
     chunk_name: str
     id_prefix: str
 
-    def __init__(self, tokenizer: Any, model: str, n: int, prompts: list[list[int]], wants_logprobs: bool) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        model: str,
+        n: int,
+        prompts: list[list[int]],
+        wants_logprobs: bool,
+        echoes: list[str] | None = None,
+    ) -> None:
+        """Choice i answers prompt i // n; `echoes[p]` starts the text of prompt p's choices."""
         self.tokenizer = tokenizer
         self.model = model
+        self.n = n
         self.wants_logprobs = wants_logprobs
-        self.prompt_tokens = sum(map(len, prompts)) * n
+        self.echoes = echoes
+        self.prompt_tokens = sum(map(len, prompts))  # once per prompt, whatever n is (as OpenAI and vLLM)
         self.id = new_id(self.id_prefix)
         self.created = now()
+
+    def echo(self, index: int) -> str:
+        return self.echoes[index // self.n] if self.echoes else ""
+
+    def usage(self, completion_tokens: int, cached: dict[int, int]) -> dict[str, Any]:
+        """Usage with each prompt's cached tokens counted once (its choices fork one computation)."""
+        per_prompt: dict[int, int] = {}
+        for index, tokens in cached.items():
+            per_prompt[index // self.n] = min(tokens, per_prompt.get(index // self.n, tokens))
+        return usage(self.prompt_tokens, completion_tokens, sum(per_prompt.values()))
 
     @abstractmethod
     def choice(self, index: int, text: str, logprobs: Any, finish_reason: str | None, first: bool) -> dict[str, Any]:
@@ -60,13 +81,21 @@ class ResponseShape(ABC):
             logprobs.setdefault(index, []).extend(delta.logprobs or [])
             reasons[index] = delta.finish_reason
         choices = [
-            self.final_choice(i, texts[i], self.logprobs(logprobs[i], 0) if self.wants_logprobs else None, reasons[i])
+            self.final_choice(
+                i,
+                self.echo(i) + texts[i],
+                self.logprobs(logprobs[i], 0) if self.wants_logprobs else None,
+                reasons[i],
+            )
             for i in sorted(reasons)
         ]
-        counts = usage(self.prompt_tokens, sum(tokens.values()), sum(cached.values()))
-        return self.envelope(self.object_name, choices, usage=counts)
+        return self.envelope(self.object_name, choices, usage=self.usage(sum(tokens.values()), cached))
 
-    async def stream(self, group: RequestGroup, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    async def stream(
+        self, group: RequestGroup, include_usage: bool, continuous_usage: bool = False
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Chunks as deltas come; with `include_usage` a last chunk has the usage, and with
+        `continuous_usage` every chunk has the usage so far."""
         completion_tokens = 0
         offsets: dict[int, int] = {}
         started: set[int] = set()
@@ -79,10 +108,12 @@ class ResponseShape(ABC):
             offsets[index] = offset + len(delta.text)
             first = index not in started
             started.add(index)
-            yield self.envelope(self.chunk_name, [self.choice(index, delta.text, logprobs, delta.finish_reason, first)])
+            text = self.echo(index) + delta.text if first else delta.text
+            choice = self.choice(index, text, logprobs, delta.finish_reason, first)
+            extra = {"usage": self.usage(completion_tokens, cached)} if include_usage and continuous_usage else {}
+            yield self.envelope(self.chunk_name, [choice], **extra)
         if include_usage:
-            counts = usage(self.prompt_tokens, completion_tokens, sum(cached.values()))
-            yield self.envelope(self.chunk_name, [], usage=counts)
+            yield self.envelope(self.chunk_name, [], usage=self.usage(completion_tokens, cached))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -108,7 +139,10 @@ class Completions(ResponseShape):
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
+            # the sampled token is always among them, as vLLM answers (so logprobs=0 names it)
+            "top_logprobs": [
+                {**{self.token_text(t): lp for t, lp in e.top}, self.token_text(e.token_id): e.logprob} for e in entries
+            ],
             "text_offset": text_offset,
         }
 
