@@ -40,6 +40,8 @@ class StructuredOutput:
 
     @classmethod
     def choice(cls, choices: list[str]) -> StructuredOutput:
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError("structured output choices must be a non-empty list of non-empty strings")
         return cls("choice", json.dumps(choices))
 
 
