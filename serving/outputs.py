@@ -20,6 +20,9 @@ class RequestOutput:
     ttft: float | None
     """Seconds from arrival to the first generated token."""
     latency: float | None
+    """Seconds from arrival to the end."""
+    queue_time: float | None
+    """Seconds from arrival to the first slot."""
     preemptions: int
     cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
@@ -36,6 +39,7 @@ class RequestOutput:
             logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
             ttft=None if request.first_token_time is None else request.first_token_time - request.arrival,
             latency=None if request.finish_time is None else request.finish_time - request.arrival,
+            queue_time=None if request.scheduled_time is None else request.scheduled_time - request.arrival,
             preemptions=request.preemptions,
             cached_tokens=request.cached_tokens or 0,
         )

@@ -78,6 +78,8 @@ class Request:
     """Characters of text already handed to the caller (stop-string prefixes are held back)."""
     emitted_tokens: int = 0
     finish_reported: bool = False
+    scheduled_time: float | None = None
+    """When the request first got a slot (the end of its time in the queue)."""
     first_token_time: float | None = None
     finish_time: float | None = None
     preemptions: int = 0

@@ -9,6 +9,7 @@ later) and the iteration is planned again.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -112,6 +113,8 @@ class Scheduler:
         """Moves a waiting request into `slot` and plans its first chunk; returns the chunk's tokens."""
         self.waiting.remove(request)
         request.slot, request.status = slot, RequestStatus.RUNNING
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
         self.running.append(request)
         n = self._chunk(request, budget)
         plan.append((request, n))

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from serving.model_store import ensure_default_model
 from serving.server.cli import main, parser, size
 
 VATTN = Path(sys.executable).parent / "vattn"
@@ -71,6 +72,33 @@ def test_prefix_caching_on_the_paged_cache_exits_with_a_message(capsys: pytest.C
     assert exit_info.value.code == 2 and "the paged baseline has none" in capsys.readouterr().err
 
 
+def test_help_shows_defaults_quickly() -> None:
+    start = time.monotonic()
+    result = subprocess.run([str(VATTN), "serve", "--help"], capture_output=True, text=True, timeout=60, check=True)
+    assert time.monotonic() - start < 8
+    text = " ".join(result.stdout.split())
+    for default in ("(default: float32)", "(default: 8000)", "(default: 1G)", "(default: host)", "(default: 64)"):
+        assert default in text, default
+
+
+def test_a_model_that_is_not_there_exits_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "/no/such/model"])
+    assert exit_info.value.code == 2 and "no such safetensors folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "/no/such/model", "--model", "/another"])
+    assert "given twice" in capsys.readouterr().err
+
+
+def test_a_model_that_fails_to_load_ends_the_server(tmp_path: Path) -> None:
+    """A folder without a model: the server stops with one error line and exit status 1."""
+    command = [str(VATTN), "serve", str(tmp_path), "--port", "0", "--log-level", "warning"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("vattn serve: error: the model failed to load:")
+
+
 @pytest.mark.parametrize(
     ("kv_cache", "announced"), [("virtual", "64 KiB pages, prefix caching on"), ("paged", "16-token blocks")]
 )
@@ -79,7 +107,8 @@ def test_serve_logs_ready_and_answers_on_loopback(kv_cache: str, announced: str)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     small = ["--max-slots", "2", "--max-context", "128", "--kv-budget", "32M", "--kv-cache", kv_cache]
-    command = [str(VATTN), "serve", "--port", str(port), *small]
+    model = [str(ensure_default_model())] if kv_cache == "paged" else []  # vLLM's positional form, once
+    command = [str(VATTN), "serve", *model, "--port", str(port), *small]
     env = {**os.environ, "VATTN_API_KEY": "k"}
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:

@@ -148,6 +148,24 @@ def test_metrics_show_requests_tokens_and_the_allocator(server: LiveServer, clie
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
     assert values["vattn:generation_tokens_total"] >= 4 and values["vattn:kv_mapped_bytes"] > 0
     assert values["vattn:engine_iterations_total"] >= 4 and values['vattn:kv_pages_taken_total{kind="fresh"}'] > 0
+    # vLLM's names for the same figures, for dashboards made for vLLM
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "num_preemptions_total",
+        "time_to_first_token_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "request_queue_time_seconds_count",
+        "request_prefill_time_seconds_count",
+        "request_decode_time_seconds_count",
+        "prefix_cache_queries_total",
+        'request_success_total{finished_reason="length"}',
+    ):
+        assert values[f"vllm:{name}"] == values[f"vattn:{name}"], name
+    assert values["vllm:request_decode_time_seconds_count"] >= 1
 
 
 def test_api_key_is_required_when_set() -> None:

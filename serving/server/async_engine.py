@@ -202,7 +202,7 @@ class AsyncEngine:
             if subscriber is None:
                 continue  # finished in the iteration before the abort arrived, or never added
             engine.abort(request_id)
-            self.metrics.observe_finish(subscriber.arrival, time.monotonic(), "abort")
+            self.metrics.observe_finish(subscriber.arrival, time.monotonic(), "abort", None)
 
     def _run(self) -> None:
         try:
@@ -212,7 +212,8 @@ class AsyncEngine:
             self._engine = engine
         except BaseException as error:
             self.load_error = error
-            log.exception("the model failed to load")
+            log.error("the model failed to load: %s", error)
+            log.debug("the model failed to load", exc_info=True)
             return
         finally:
             self._loaded.set()
@@ -255,8 +256,8 @@ class AsyncEngine:
                 subscriber.last_token = now
             if delta.finished:
                 del self._subscribers[delta.request_id]
-                engine.result(delta.request_id)
-                self.metrics.observe_finish(subscriber.arrival, now, delta.finish_reason)
+                output = engine.result(delta.request_id)
+                self.metrics.observe_finish(subscriber.arrival, now, delta.finish_reason, output)
             _send(subscriber, (subscriber.index, delta))
 
     def _fail_all(self, engine: LLMEngine, error: BaseException) -> None:

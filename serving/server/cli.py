@@ -6,8 +6,11 @@ import argparse
 import logging
 import math
 import os
+import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import fields
+from pathlib import Path
 
 from serving.config import KV_CACHES, EngineConfig
 from serving.linear import QUANTIZATIONS
@@ -16,7 +19,7 @@ from vattn.backends import BACKENDS
 from vattn.config import DTYPES
 from vattn.kernels import KERNELS
 from vattn.paged import PAGED_KERNELS
-from vattn.sizes import parse_size
+from vattn.sizes import parse_size, size_label
 
 log = logging.getLogger("vattn.serve")
 
@@ -72,13 +75,14 @@ def parser() -> argparse.ArgumentParser:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /metrics).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
-    serve.add_argument("--model", help="safetensors folder or .gguf file; None: SmolLM2-135M-Instruct")
-    serve.add_argument("--served-model-name", help="the name clients send as `model`; None: the model's own")
-    serve.add_argument("--dtype", default=defaults.dtype, choices=list(DTYPES))
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model (vLLM's positional form)")
+    serve.add_argument("--model", help="safetensors folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's own)")
+    serve.add_argument("--dtype", default=defaults.dtype, choices=list(DTYPES), help="weights and KV precision")
     serve.add_argument("--host", default=server.host, help="address to bind; 0.0.0.0 exposes the server")
-    serve.add_argument("--port", type=int, default=server.port)
+    serve.add_argument("--port", type=int, default=server.port, help="port to bind")
     serve.add_argument(
         "--kv-cache",
         default=defaults.kv_cache,
@@ -102,8 +106,12 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-batched-tokens", type=positive, default=defaults.max_batched_tokens, help="tokens per iteration"
     )
-    serve.add_argument("--kv-budget", type=size, default=defaults.kv_budget, help="physical bytes for the KV cache")
-    serve.add_argument("--backend", default=defaults.backend, choices=BACKENDS)
+    serve.add_argument(
+        "--kv-budget", type=size, default=size_label(defaults.kv_budget), help="physical bytes for the KV cache"
+    )
+    serve.add_argument(
+        "--backend", default=defaults.backend, choices=BACKENDS, help="where KV pages live: host memory or CUDA"
+    )
     serve.add_argument(
         "--kernel",
         default=defaults.kernel,
@@ -117,7 +125,9 @@ def parser() -> argparse.ArgumentParser:
         help="weights: none (as --dtype), bf16, or int8",
     )
     serve.add_argument("--max-queue", type=int, default=server.max_queue, help="requests that may wait; more get 429")
-    serve.add_argument("--max-body-size", type=size, default=server.max_body_bytes, help="largest request body")
+    serve.add_argument(
+        "--max-body-size", type=size, default=size_label(server.max_body_bytes), help="largest request body"
+    )
     serve.add_argument(
         "--header-timeout",
         type=seconds,
@@ -139,8 +149,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--allowed-hosts",
         type=host_names,
-        help="Host headers to accept, comma-separated ('*': any); None: "
-        f"{','.join(LOOPBACK_HOSTS)} on a loopback --host, else any",
+        help="Host headers to accept, comma-separated ('*': any) (default: "
+        f"{','.join(LOOPBACK_HOSTS)} on a loopback --host, else any)",
     )
     key = serve.add_mutually_exclusive_group()
     key.add_argument(
@@ -149,13 +159,30 @@ def parser() -> argparse.ArgumentParser:
         "when unset (which, unlike this option, `ps` does not show)",
     )
     key.add_argument("--api-key-file", type=key_file, metavar="PATH", help="read the API key from this file")
-    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log detail")
     return root
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help unless the default is None (the help says it) or
+    the help names its default itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if action.default in (None, argparse.SUPPRESS) or "default" in help_text or not action.option_strings:
+            return help_text
+        return f"{help_text} (default: %(default)s)"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     cli = parser()
     args = cli.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            cli.error(f"the model is given twice, as {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    if args.model is not None and not _is_model_path(args.model):
+        cli.error(f"model {args.model!r}: no such safetensors folder or .gguf file")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.api_key:
         log.warning("--api-key shows in `ps` to every user of this machine: use $VATTN_API_KEY or --api-key-file")
@@ -184,7 +211,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         host=args.host,
         port=args.port,
     )
-    uvicorn.run(build_app(settings), log_level=args.log_level, **uvicorn_options(settings))
+    app = build_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, **uvicorn_options(settings)))
+    engine = app.state.engine
+
+    def stop_if_the_model_fails() -> None:
+        if not engine.wait_ready() and engine.load_error is not None:
+            server.should_exit = True
+
+    threading.Thread(target=stop_if_the_model_fails, daemon=True).start()
+    server.run()
+    if engine.load_error is not None:
+        sys.exit(f"vattn serve: error: the model failed to load: {engine.load_error}")
+
+
+def _is_model_path(model: str) -> bool:
+    path = Path(model)
+    return path.is_dir() or (path.suffix == ".gguf" and path.is_file())
 
 
 if __name__ == "__main__":

@@ -8,42 +8,52 @@ iteration, so a scrape never reaches into the engine while it runs.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from serving.engine import EngineStats
+from serving.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 
+class Twins:
+    """One measurement under vattn's name and vLLM's (`vattn:x` and `vllm:x`), so that dashboards
+    made for vLLM work unchanged."""
+
+    def __init__(self, kind: type[Counter] | type[Histogram], name: str, doc: str, **options: Any) -> None:
+        self.metrics = [kind(f"{prefix}:{name}", doc, **options) for prefix in ("vattn", "vllm")]
+
+    def inc(self, amount: float = 1, **labels: str) -> None:
+        for metric in self.metrics:
+            (metric.labels(**labels) if labels else metric).inc(amount)  # type: ignore[union-attr]
+
+    def observe(self, value: float) -> None:
+        for metric in self.metrics:
+            metric.observe(value)  # type: ignore[union-attr]
+
+
 class ServerMetrics(Collector):
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.prompt_tokens = Counter("vattn:prompt_tokens", "Prompt tokens accepted.", registry=self.registry)
-        self.generation_tokens = Counter("vattn:generation_tokens", "Tokens generated.", registry=self.registry)
-        self.finished = Counter(
-            "vattn:request_success", "Requests ended, by finish reason.", ["finished_reason"], registry=self.registry
+        self.registry = registry = CollectorRegistry()
+
+        def histogram(name: str, doc: str) -> Twins:
+            return Twins(Histogram, name, doc, buckets=LATENCY_BUCKETS, registry=registry)
+
+        self.prompt_tokens = Twins(Counter, "prompt_tokens", "Prompt tokens accepted.", registry=registry)
+        self.generation_tokens = Twins(Counter, "generation_tokens", "Tokens generated.", registry=registry)
+        self.finished = Twins(
+            Counter, "request_success", "Requests ended, by reason.", labelnames=["finished_reason"], registry=registry
         )
-        self.ttft = Histogram(
-            "vattn:time_to_first_token_seconds",
-            "Arrival to first generated token.",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.inter_token = Histogram(
-            "vattn:inter_token_latency_seconds",
-            "Time between a request's successive generated tokens.",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.e2e = Histogram(
-            "vattn:e2e_request_latency_seconds",
-            "Arrival to the last token.",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.")
+        self.inter_token = histogram("inter_token_latency_seconds", "Time between a request's successive tokens.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.")
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to the first KV slot.")
+        self.prefill_time = histogram("request_prefill_time_seconds", "First KV slot to the first token.")
+        self.decode_time = histogram("request_decode_time_seconds", "First token to the last.")
         self._snapshot: EngineStats | None = None
         self.registry.register(self)
 
@@ -63,9 +73,15 @@ class ServerMetrics(Collector):
         else:
             self.inter_token.observe((now - last_token) / count)
 
-    def observe_finish(self, arrival: float, now: float, reason: str | None) -> None:
+    def observe_finish(self, arrival: float, now: float, reason: str | None, output: RequestOutput | None) -> None:
+        """A request ended; `output` (None when aborted) has its phases."""
         self.e2e.observe(now - arrival)
-        self.finished.labels(reason or "unknown").inc()
+        self.finished.inc(finished_reason=reason or "unknown")
+        if output is not None and output.queue_time is not None and output.ttft is not None:
+            self.queue_time.observe(output.queue_time)
+            self.prefill_time.observe(output.ttft - output.queue_time)
+            if output.latency is not None:
+                self.decode_time.observe(output.latency - output.ttft)
 
     # ------------------------------------------------------------- scrape side
 
@@ -87,11 +103,16 @@ class ServerMetrics(Collector):
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(f"vattn:{name}", doc, value=value)
 
-        yield gauge("num_requests_running", "Requests holding a KV slot.", snap.running)
-        yield gauge("num_requests_waiting", "Requests queued for a KV slot.", snap.waiting)
+        def twins(gauge: bool, name: str, doc: str, value: float) -> Iterator[Metric]:
+            kind = GaugeMetricFamily if gauge else CounterMetricFamily
+            for prefix in ("vattn", "vllm"):
+                yield kind(f"{prefix}:{name}", doc, value=value)
+
+        yield from twins(True, "num_requests_running", "Requests holding a KV slot.", snap.running)
+        yield from twins(True, "num_requests_waiting", "Requests queued for a KV slot.", snap.waiting)
         usage = cache.active_bytes / (cache.pool_pages * cache.page_size)
-        yield gauge("kv_cache_usage_perc", "Active KV bytes over the KV budget.", usage)
-        yield counter("num_preemptions", "Requests preempted (recomputed later).", snap.preemptions)
+        yield from twins(True, "kv_cache_usage_perc", "Active KV bytes over the KV budget.", usage)
+        yield from twins(False, "num_preemptions", "Requests preempted (recomputed later).", snap.preemptions)
         yield counter("engine_iterations", "Batched model iterations run.", snap.iterations)
         yield gauge("kv_mapped_bytes", "Physical bytes mapped behind KV slots.", cache.mapped_bytes)
         yield gauge("kv_active_bytes", "Mapped bytes of running requests.", cache.active_bytes)
@@ -101,8 +122,9 @@ class ServerMetrics(Collector):
         yield gauge("kv_pool_pages", "Physical pages the KV budget allows.", cache.pool_pages)
         yield gauge("kv_active_slots", "KV slots in use.", cache.active_slots)
         yield gauge("kv_cached_bytes", "Bytes held only by the prefix cache.", cache.cached_bytes)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", cache.prefix.queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found there (mapped, not computed).", cache.prefix.hits)
+        queries, hits = cache.prefix.queries, cache.prefix.hits
+        yield from twins(False, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
+        yield from twins(False, "prefix_cache_hits", "Prompt tokens found there (not computed).", hits)
         needs = CounterMetricFamily(
             "vattn:kv_page_needs", "Pages a step needed, by who had mapped them.", labels=["met_by"]
         )
