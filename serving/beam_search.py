@@ -156,7 +156,7 @@ class BeamSearch:
                 budget -= n
         self.kv.grow({beam.slot: beam.num_computed + n for beam, n in chunks})
         ends = [beam.num_computed + n == len(beam.all_ids) for beam, n in chunks]
-        logits = self.engine.compute([beam for beam, _ in chunks], [n for _, n in chunks], ends)
+        logits = self.engine.compute([beam for beam, _ in chunks], [n for _, n in chunks], [int(e) for e in ends])
         finished = [beam for (beam, _), end in zip(chunks, ends, strict=True) if end]
         for beam, row in zip(finished, torch.log_softmax(logits, dim=-1), strict=True):
             beam.next_logprobs = row

@@ -175,16 +175,40 @@ class LLMEngine:
         return deltas
 
     def _run(self, requests: list[Request], new_tokens: list[int], samples: list[bool]) -> None:
-        logits = self.compute(requests, new_tokens, samples)
-        sampled = [request for request, wanted in zip(requests, samples, strict=True) if wanted]
-        choices = sample(logits, sampled, self.eos_token_ids, self._generator)
+        starts = [request.num_computed for request in requests]
+        rows = [n if r.wants_prompt_logprobs else int(s) for r, n, s in zip(requests, new_tokens, samples, strict=True)]
+        logits = self.compute(requests, new_tokens, rows)
+        sampled, sample_rows, first = [], [], 0
+        for request, start, count, wanted in zip(requests, starts, rows, samples, strict=True):
+            if request.wants_prompt_logprobs:
+                self._record_prompt_logprobs(request, start, logits[first : first + count])
+            if wanted:
+                sampled.append(request)
+                sample_rows.append(first + count - 1)
+            first += count
+        choices = sample(logits[sample_rows], sampled, self.eos_token_ids, self._generator)
         for request, (token, logprob) in zip(sampled, choices, strict=True):
             self._append(request, token, logprob)
 
-    def compute(self, sequences: Sequence[KVSequence], new_tokens: Sequence[int], wanted: Sequence[bool]) -> Tensor:
+    def _record_prompt_logprobs(self, request: Request, start: int, logits: Tensor) -> None:
+        """Logits of rows `start, start + 1, ...` predict prompt tokens `start + 1, ...`."""
+        if not request.prompt_logprobs:
+            request.prompt_logprobs.append(None)  # nothing predicts the first token
+        log_probs = torch.log_softmax(logits, dim=-1)
+        top_n = request.params.prompt_logprobs or 0
+        for row, position in zip(log_probs, range(start + 1, len(request.prompt_ids)), strict=False):
+            if position != len(request.prompt_logprobs):
+                continue  # known before a preemption made the request compute its prompt again
+            token = request.prompt_ids[position]
+            top = row.topk(top_n) if top_n else None
+            alternatives = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else ()
+            request.prompt_logprobs.append(TokenLogprob(token, float(row[token]), alternatives))
+
+    def compute(self, sequences: Sequence[KVSequence], new_tokens: Sequence[int], rows: Sequence[int]) -> Tensor:
         """One model iteration: sequence i's next `new_tokens[i]` tokens go into its slot (which
         the caller grew), its `num_computed` advances and the prefix cache learns them. Returns
-        float32 CPU logits `[wanted, vocab]` after the last new token of each wanted sequence."""
+        float32 CPU logits `[sum(rows), vocab]` after each of the last `rows[i]` new tokens of
+        sequence i (1: the next token's; 0: none), sequence by sequence."""
         ids: list[int] = []
         for sequence, n in zip(sequences, new_tokens, strict=True):
             ids += sequence.all_ids[sequence.num_computed : sequence.num_computed + n]
@@ -195,10 +219,14 @@ class LLMEngine:
             sequence.num_computed += n
             self.kv.remember(sequence.slot, sequence.all_ids[: sequence.num_computed])  # type: ignore[arg-type]
         self._iterations += 1
-        rows = [attention.starts[i + 1] - 1 for i, w in enumerate(wanted) if w]
-        if not rows:
+        wanted = [
+            row
+            for i, count in enumerate(rows)
+            for row in range(attention.starts[i + 1] - count, attention.starts[i + 1])
+        ]
+        if not wanted:
             return torch.empty(0, self._vocab_size)
-        return self._runner.logits(hidden[torch.tensor(rows, device=device)]).cpu()
+        return self._runner.logits(hidden[torch.tensor(wanted, device=device)]).cpu()
 
     def _append(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         """Adds a sampled token, its text, and ends the request if a stop condition is met."""
@@ -238,10 +266,17 @@ class LLMEngine:
         if not new_text and not new_ids and not (request.finished and not request.finish_reported):
             return None
         logprobs = request.logprobs[request.emitted_tokens :] if request.params.logprobs is not None else None
+        first = request.emitted_tokens == 0 and request.params.prompt_logprobs is not None
         request.emitted_chars, request.emitted_tokens = end, len(request.output_ids)
         request.finish_reported = request.finished
         return StreamDelta(
-            request.request_id, new_text, new_ids, logprobs, request.finish_reason, request.cached_tokens or 0
+            request.request_id,
+            new_text,
+            new_ids,
+            logprobs,
+            request.finish_reason,
+            request.cached_tokens or 0,
+            list(request.prompt_logprobs) if first else None,
         )
 
     def close(self) -> None:
@@ -254,6 +289,8 @@ def plan_forks(requests: Sequence[Request], min_tokens: int) -> None:
     Both keep at least their last prompt token to compute (its logits are needed)."""
     earlier: list[tuple[tuple[int, ...], Request]] = []  # sorted: the longest match is a neighbour
     for request in requests:
+        if request.params.prompt_logprobs is not None:
+            continue  # it computes its whole prompt
         key = tuple(request.prompt_ids)
         at = bisect.bisect(earlier, key, key=lambda entry: entry[0])
         best, point = None, 0

@@ -26,6 +26,7 @@ class RequestOutput:
     preemptions: int
     cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @classmethod
     def of(cls, request: Request) -> RequestOutput:
@@ -42,6 +43,7 @@ class RequestOutput:
             queue_time=None if request.scheduled_time is None else request.scheduled_time - request.arrival,
             preemptions=request.preemptions,
             cached_tokens=request.cached_tokens or 0,
+            prompt_logprobs=list(request.prompt_logprobs) if request.params.prompt_logprobs is not None else None,
         )
 
 
@@ -56,6 +58,8 @@ class StreamDelta:
     finish_reason: str | None
     cached_tokens: int = 0
     """Prompt tokens of the request whose KV came from the prefix cache."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """In a request's first delta, with `prompt_logprobs` asked for."""
 
     @property
     def finished(self) -> bool:

@@ -70,6 +70,8 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    """With `params.prompt_logprobs`: one per prompt token computed so far (None for the first)."""
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     num_computed: int = 0
@@ -91,6 +93,11 @@ class Request:
     """The grammar matcher of a request with structured output (serving.structured_output)."""
     cached_tokens: int | None = None
     """Prompt tokens found in the prefix cache when first admitted (not computed)."""
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the prompt logprobs are asked for and not all known yet."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def all_ids(self) -> list[int]:

@@ -37,6 +37,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return the sampled token's log-probability and this many top alternatives (0: none)."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's log-probability (None for the first) and this many top
+    alternatives; such a request computes its whole prompt (no prefix cache, no fork)."""
     min_tokens: int = 0
     """Tokens generated before EOS, `stop_token_ids` or `stop` strings may end the request."""
     presence_penalty: float = 0.0
@@ -79,6 +82,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -88,7 +88,8 @@ class Scheduler:
             slot = self.kv.admit(min(request.length, budget))
             if slot is None:
                 break
-            request.num_computed = self.kv.reuse_prefix(slot, request.all_ids)
+            # prompt logprobs need the prompt's logits: computed, not found in the cache
+            request.num_computed = 0 if request.wants_prompt_logprobs else self.kv.reuse_prefix(slot, request.all_ids)
             if request.cached_tokens is None:  # what usage reports: the first admission's
                 request.cached_tokens = min(request.num_computed, len(request.prompt_ids))
             budget -= self._start(request, slot, budget, plan)

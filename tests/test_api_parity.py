@@ -195,3 +195,19 @@ def test_bounds_are_refused(client: openai.OpenAI, fields: dict[str, Any], param
     with pytest.raises(openai.BadRequestError) as refused:
         complete(client, **fields)
     assert refused.value.body["param"] == param  # type: ignore[index]
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs(client: openai.OpenAI, server: LiveServer) -> None:
+    plain = complete(client, max_tokens=3, logprobs=2)
+    echoed = complete(client, max_tokens=3, logprobs=2, echo=True)
+    entries, prompt = echoed.choices[0].logprobs, server.engine.tokenizer.encode(PROMPT)
+    assert len(entries.tokens) == len(prompt) + 3
+    assert entries.token_logprobs[0] is None and entries.top_logprobs[0] is None
+    assert all(lp is not None and lp < 0 for lp in entries.token_logprobs[1 : len(prompt)])
+    assert entries.tokens[len(prompt) :] == plain.choices[0].logprobs.tokens
+    assert entries.text_offset[len(prompt)] == len(PROMPT)
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=2, stream=True
+    )
+    tokens = [token for chunk in streamed if chunk.choices for token in chunk.choices[0].logprobs.tokens]
+    assert tokens == entries.tokens

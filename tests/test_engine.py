@@ -314,3 +314,20 @@ def test_fork_planning_picks_the_longest_shared_prefix() -> None:
     assert (e.fork_of, e.fork_at) == (a, 2)  # not b, which forks a past that point: a computes it
     assert a.fork_of is None and f.fork_of is None  # f shares nothing earlier
     assert (g.fork_of, g.fork_at) == (f, 1)  # equal prompts fork below min_tokens, at their last token
+
+
+def test_prompt_logprobs_equal_hf_across_prefill_chunks(llm: LLM) -> None:
+    """The longest prompt is prefilled in 48-token chunks; every prompt token's logprob (and top
+    alternatives) equals HF's forward pass, though the same prompt was cached before."""
+    prompt = PROMPTS[-1]
+    llm.generate([prompt], GREEDY, use_tqdm=False)  # its prefix is cached: prompt logprobs must not use it
+    [out] = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3), use_tqdm=False)
+    ids = out.prompt_token_ids
+    model = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
+    assert out.cached_tokens == 0 and out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert entry is not None and entry.token_id == ids[position]
+        assert entry.logprob == pytest.approx(float(reference[position - 1, ids[position]]), abs=1e-4)
+        assert [t for t, _ in entry.top] == reference[position - 1].topk(3).indices.tolist()

@@ -67,7 +67,7 @@ BAD_REQUESTS = [
     ("suffix", COMPLETIONS, {"json": completion(suffix="!")}, 400, "suffix: not supported"),
     ("best_of above n", COMPLETIONS, {"json": completion(best_of=3)}, 400, "best_of"),
     ("beam search", COMPLETIONS, {"json": completion(use_beam_search=True)}, 400, "not supported"),
-    ("echo with logprobs", COMPLETIONS, {"json": completion(echo=True, logprobs=1)}, 400, "echo"),
+    ("prompt_logprobs", COMPLETIONS, {"json": completion(prompt_logprobs=1)}, 400, "prompt_logprobs: not supported"),
     ("stream_options without stream", COMPLETIONS, {"json": completion(stream_options={})}, 400, "stream_options"),
     ("invalid JSON schema", COMPLETIONS, {"json": completion(guided_json={"type": "nonsense"})}, 400, "guided_json"),
     ("invalid regex", COMPLETIONS, {"json": completion(guided_regex="[0-9")}, 400, "guided_regex"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from abc import ABC, abstractmethod
@@ -14,6 +15,8 @@ from serving.server.errors import NotReadyError, error_body
 from serving.server.protocol import new_id, now, usage
 
 log = logging.getLogger("vattn.serve")
+PromptLogprobs = tuple[list[int], list[TokenLogprob | None]]
+"""An echoed prompt's token ids and their logprobs (None for the first)."""
 
 
 class ResponseShape(ABC):
@@ -38,6 +41,7 @@ class ResponseShape(ABC):
         self.n = n
         self.wants_logprobs = wants_logprobs
         self.echoes = echoes
+        self.prompts = prompts
         self.prompt_tokens = sum(map(len, prompts))  # once per prompt, whatever n is (as OpenAI and vLLM)
         self.id = new_id(self.id_prefix)
         self.created = now()
@@ -61,8 +65,9 @@ class ResponseShape(ABC):
         """A whole response's choice."""
 
     @abstractmethod
-    def logprobs(self, entries: list[TokenLogprob] | None, offset: int) -> Any:
-        """Logprobs of tokens whose text starts at character `offset` of the choice."""
+    def logprobs(self, entries: list[TokenLogprob] | None, offset: int, prompt: PromptLogprobs | None = None) -> Any:
+        """Logprobs of tokens whose text starts at character `offset` of the choice, after those
+        of the echoed prompt's tokens (completions only)."""
 
     def envelope(self, name: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         head = {"id": self.id, "object": name, "created": self.created, "model": self.model}
@@ -74,8 +79,11 @@ class ResponseShape(ABC):
         logprobs: dict[int, list[TokenLogprob]] = {}
         reasons: dict[int, str | None] = {}
         cached: dict[int, int] = {}
+        prompts: dict[int, PromptLogprobs] = {}
         async for index, delta in group.deltas():
             cached[index] = delta.cached_tokens
+            if delta.prompt_logprobs is not None:
+                prompts[index] = (self.prompts[index // self.n], delta.prompt_logprobs)
             texts[index] = texts.get(index, "") + delta.text
             tokens[index] = tokens.get(index, 0) + len(delta.token_ids)
             logprobs.setdefault(index, []).extend(delta.logprobs or [])
@@ -84,7 +92,7 @@ class ResponseShape(ABC):
             self.final_choice(
                 i,
                 self.echo(i) + texts[i],
-                self.logprobs(logprobs[i], 0) if self.wants_logprobs else None,
+                self.logprobs(logprobs[i], len(self.echo(i)), prompts.get(i)) if self.wants_logprobs else None,
                 reasons[i],
             )
             for i in sorted(reasons)
@@ -103,8 +111,9 @@ class ResponseShape(ABC):
         async for index, delta in group.deltas():
             cached[index] = delta.cached_tokens
             completion_tokens += len(delta.token_ids)
-            offset = offsets.get(index, 0)
-            logprobs = self.logprobs(delta.logprobs, offset) if self.wants_logprobs else None
+            offset = offsets.get(index, len(self.echo(index)))
+            prompt = None if delta.prompt_logprobs is None else (self.prompts[index // self.n], delta.prompt_logprobs)
+            logprobs = self.logprobs(delta.logprobs, offset, prompt) if self.wants_logprobs else None
             offsets[index] = offset + len(delta.text)
             first = index not in started
             started.add(index)
@@ -129,22 +138,27 @@ class Completions(ResponseShape):
     def final_choice(self, index: int, text: str, logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
         return self.choice(index, text, logprobs, finish_reason, True)
 
-    def logprobs(self, entries: list[TokenLogprob] | None, offset: int) -> dict[str, Any]:
-        entries = entries or []
-        tokens = [self.token_text(e.token_id) for e in entries]
-        text_offset = []
-        for token in tokens:
-            text_offset.append(offset)
-            offset += len(token)
+    def logprobs(
+        self, entries: list[TokenLogprob] | None, offset: int, prompt: PromptLogprobs | None = None
+    ) -> dict[str, Any]:
+        head: list[tuple[int, float | None, dict[str, float] | None]] = []
+        if prompt is not None:  # echo: the prompt's tokens first, the first one without a logprob
+            for token, known in zip(*prompt, strict=True):
+                head.append((token, None, None) if known is None else (token, known.logprob, self.top(known)))
+        rows = head + [(e.token_id, e.logprob, self.top(e)) for e in entries or []]
+        tokens = [self.token_text(token) for token, _, _ in rows]
+        lengths = [len(token) for token in tokens]
+        text_offset = [*_starts(lengths[: len(head)], 0), *_starts(lengths[len(head) :], offset)]
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            # the sampled token is always among them, as vLLM answers (so logprobs=0 names it)
-            "top_logprobs": [
-                {**{self.token_text(t): lp for t, lp in e.top}, self.token_text(e.token_id): e.logprob} for e in entries
-            ],
+            "token_logprobs": [logprob for _, logprob, _ in rows],
+            "top_logprobs": [top for _, _, top in rows],
             "text_offset": text_offset,
         }
+
+    def top(self, entry: TokenLogprob) -> dict[str, float]:
+        """The top alternatives and the token itself, as vLLM answers (so logprobs=0 still names it)."""
+        return {**{self.token_text(t): lp for t, lp in entry.top}, self.token_text(entry.token_id): entry.logprob}
 
 
 class ChatCompletions(ResponseShape):
@@ -160,7 +174,9 @@ class ChatCompletions(ResponseShape):
         message = {"role": "assistant", "content": text}
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def logprobs(self, entries: list[TokenLogprob] | None, offset: int) -> dict[str, Any]:
+    def logprobs(
+        self, entries: list[TokenLogprob] | None, offset: int, prompt: PromptLogprobs | None = None
+    ) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             token = self.token_text(token_id)
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
@@ -171,6 +187,11 @@ class ChatCompletions(ResponseShape):
                 for e in entries or []
             ]
         }
+
+
+def _starts(lengths: list[int], first: int) -> list[int]:
+    """Where each of consecutive pieces of these lengths starts, the first at `first`."""
+    return list(itertools.accumulate(lengths[:-1], initial=first)) if lengths else []
 
 
 async def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
@@ -72,10 +73,10 @@ def v1_routes(engine: AsyncEngine, model_name: str) -> APIRouter:
     @router.post("/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_common(body, model_name, engine)
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
         prompts = _completion_prompts(engine, body.prompt, body.n, body.add_special_tokens)
         params = [_sampling_params(body, body.max_tokens, body.logprobs, engine, p, "prompt") for p in prompts]
+        if body.echo and body.logprobs is not None:  # the echoed prompt's tokens come with their logprobs
+            params = [[replace(p, prompt_logprobs=body.logprobs) for p in choices] for choices in params]
         echoes = [engine.tokenizer.decode(p) for p in prompts] if body.echo else None
         shape = Completions(engine.tokenizer, model_name, body.n, prompts, body.logprobs is not None, echoes)
         return await _respond(engine, request, body, shape, prompts, params)
