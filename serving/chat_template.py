@@ -13,6 +13,7 @@ def chat_prompt_ids(
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Token ids of a conversation with the assistant's turn opened (or, continuing the final
     message, left open); bad messages raise ValueError."""
@@ -29,4 +30,4 @@ def chat_prompt_ids(
         continue_final_message=continue_final_message,
         tokenize=False,
     )
-    return tokenizer.encode(rendered, add_special_tokens=False)
+    return tokenizer.encode(rendered, add_special_tokens=add_special_tokens)  # the template wrote its own

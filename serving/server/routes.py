@@ -92,12 +92,14 @@ def v1_routes(engine: AsyncEngine, model_name: str) -> APIRouter:
             raise APIError(400, message, param="continue_final_message")
         try:
             prompt = chat_prompt_ids(
-                engine.tokenizer, messages, body.add_generation_prompt, body.continue_final_message
+                engine.tokenizer,
+                messages,
+                body.add_generation_prompt,
+                body.continue_final_message,
+                body.add_special_tokens,
             )
         except ValueError as error:
             raise APIError(400, str(error), param="messages") from error
-        if body.add_special_tokens:
-            prompt = prompt_token_ids(engine.tokenizer, engine.tokenizer.decode(prompt))[1]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = [_sampling_params(body, max_tokens, logprobs, engine, prompt, "messages")]
