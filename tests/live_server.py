@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import openai
 import uvicorn
 
 from serving.config import EngineConfig
@@ -44,6 +45,11 @@ class LiveServer:
             return cache.num_free_slots(), cache.num_free_pages(), cache.stats().pool_pages
 
         return self.on_engine(release)
+
+
+def openai_client(server: LiveServer, api_key: str = "unused") -> openai.OpenAI:
+    """The real `openai` client on the server, without retries (a failure shows at once)."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=120)
 
 
 @contextmanager

@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.live_server import MODEL, LiveServer, live_server
+from tests.live_server import MODEL, LiveServer, live_server, openai_client
 
 PROMPT = "List three primary colors:"
 SAY_HI = [{"role": "user", "content": "Say hi."}]
@@ -31,7 +31,7 @@ def server() -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def complete(client: openai.OpenAI, prompt: str = PROMPT, **fields: Any) -> Any:

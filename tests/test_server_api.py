@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.live_server import MODEL, LiveServer, live_server
+from tests.live_server import MODEL, LiveServer, live_server, openai_client
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -22,7 +22,7 @@ def server() -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def test_models_and_health(server: LiveServer, client: openai.OpenAI) -> None:
@@ -174,7 +174,7 @@ def test_api_key_is_required_when_set() -> None:
         wrong = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "invalid_api_key"
         assert httpx.get(f"{server.url}/health").status_code == 200  # health and metrics stay open
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
+        client = openai_client(server, api_key="s3cret")
         assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 
@@ -193,7 +193,7 @@ def test_a_repeated_prompt_prefix_is_reported_cached(caching: bool) -> None:
     first two units mapped the second time, as usage and the metrics say (and none without)."""
     prompt = "The lighthouse keeper climbed the stairs and lit the lamp. " * 14
     with live_server(page_size=16 << 10, prefix_caching=caching) as running:
-        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai_client(running)
         first, second = (
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0) for _ in range(2)
         )
