@@ -61,8 +61,8 @@ def pages_for_run(page_size: int, total: int) -> int:
 
 def one_run(page_size: int, pages: int, native: bool, batch: int) -> list[dict[str, Any]]:
     """Fresh then recycled map + populate of `pages` pages on a new backend; one row per mode."""
-    backend = HostBackend(page_size, pages, reservations=1, native=native)
     nbytes = pages * page_size
+    backend = HostBackend(page_size, pages, reservations=1, reservation_bytes=2 * nbytes, native=native)
     base = backend.reserve(2 * nbytes)  # room to map the recycled pages at other addresses
     rows: list[dict[str, Any]] = []
     try:

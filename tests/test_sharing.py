@@ -149,3 +149,26 @@ def test_a_freed_slot_drops_only_shared_pages_and_keeps_deferred_reclamation(mak
     last = cache.alloc_reqid()  # its first pages are cached: it starts without them
     assert cache.page_table(last) == []
     assert cache.stats().cached_bytes == 12 * cache.config.page_step_bytes
+
+
+def test_a_cache_salt_keeps_tenants_apart(make_cache: MakeCache) -> None:
+    """vLLM's cache_salt: units cached under one salt are found only under the same salt, by
+    later requests and by forks of a salted request alike."""
+    cache = make_cache(**ODD)
+    unit = cache.config.unit_tokens
+    prompt = list(range(100, 300))  # 3 whole units
+    tenant_a = cache.alloc_reqid()
+    assert cache.match_prefix(tenant_a, prompt, salt="a") == 0
+    write(cache, tenant_a, prompt)
+    child = cache.fork_reqid(tenant_a)
+    write(cache, child, [*prompt, 5, 6], start=len(prompt))
+    cache.cache_prefix(tenant_a, prompt)
+    cache.cache_prefix(child, [*prompt, 5, 6])
+    found = []
+    for salt in (None, "b", "a", "a"):
+        reqid = cache.alloc_reqid()
+        found.append(cache.match_prefix(reqid, [*prompt, 1], salt=salt))
+        cache.free_reqid(reqid)
+    assert found == [0, 0, 3 * unit, 3 * unit]
+    with pytest.raises(ValueError, match="non-empty string"):
+        cache.match_prefix(cache.alloc_reqid(), prompt, salt="")

@@ -27,5 +27,10 @@ class OutOfSlotsError(CapacityError):
         self.held_by_views = held_by_views
 
 
+class ConfigurationError(ValueError):
+    """A configuration this machine cannot hold (address space, vm.max_map_count), refused before
+    anything is built; the message names the limit and the fix."""
+
+
 class UnavailableError(RuntimeError):
     """A backend, kernel or model was asked for whose library, device or files are missing here."""

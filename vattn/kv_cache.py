@@ -19,7 +19,7 @@ from vattn.errors import OutOfPagesError, OutOfSlotsError
 from vattn.mapper import BackgroundMapper
 from vattn.memory import CacheMemory, Lease
 from vattn.page_pool import PagePool
-from vattn.prefix_cache import ROOT, CachedUnit, PrefixCache, chain_digest
+from vattn.prefix_cache import ROOT, CachedUnit, PrefixCache, chain_digest, salted_root
 from vattn.slot import Origin, Slot
 from vattn.stats import CacheStats, MappingCounters
 
@@ -99,7 +99,7 @@ class KVCache:
         with self._lock:
             self._check_open()
             slot = self._active_slot(reqid)
-            slot.active, slot.length, slot.shared_steps, slot.digests = False, 0, 0, []
+            slot.active, slot.length, slot.shared_steps, slot.digests, slot.root = False, 0, 0, [], ROOT
             slot.origins = [Origin.REUSED] * len(slot.pages)
         self._wake_mapper()
 
@@ -131,12 +131,14 @@ class KVCache:
 
     # ---------------------------------------------------------------- sharing
 
-    def match_prefix(self, reqid: int, tokens: Sequence[int]) -> int:
+    def match_prefix(self, reqid: int, tokens: Sequence[int], salt: str | None = None) -> int:
         """Maps the prefix cache's pages for the longest cached prefix of a new request's
         `tokens` behind it instead of computing them; returns the tokens they hold (whole
         units, always leaving at least the last token to compute), now its length.
 
-        Counts `tokens` as prefix-cache queries and the tokens found as hits."""
+        With a `salt` (vLLM's `cache_salt`) only units cached by requests with the same salt
+        match, and the request's own units are cached under it. Counts `tokens` as
+        prefix-cache queries and the tokens found as hits."""
         with self._lock:
             self._check_open()
             slot = self._active_slot(reqid)
@@ -144,7 +146,10 @@ class KVCache:
                 raise ValueError(f"reqid {slot.index} already holds tokens: match_prefix comes before its first step")
             tokens = _token_ids(tokens)
             unit = self.config.unit_tokens
-            digests = _unit_digests(tokens, (len(tokens) - 1) // unit, unit)
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise ValueError(f"a cache salt is a non-empty string, got {salt!r}")
+            slot.root = salted_root(salt)
+            digests = _unit_digests(tokens, (len(tokens) - 1) // unit, unit, slot.root)
             units = self._prefix.longest_prefix(digests)
             self._prefix.counters.queries += len(tokens)
             if units:
@@ -170,7 +175,7 @@ class KVCache:
             if full <= len(slot.digests):
                 return
             new = _token_ids(tokens[len(slot.digests) * unit : full * unit])
-            parent = slot.digests[-1] if slot.digests else ROOT
+            parent = slot.digests[-1] if slot.digests else slot.root
             for index, digest in enumerate(_unit_digests(new, len(new) // unit, unit, parent), len(slot.digests)):
                 self._prefix.insert(digest, slot.pages[index * steps : (index + 1) * steps])
                 slot.digests.append(digest)
@@ -207,7 +212,7 @@ class KVCache:
             self._counters.fork_copied_bytes += tail * len(self._bases)
             parent.shared_steps = max(parent.shared_steps, whole)
             child.active, child.length, child.shared_steps = True, parent.length, whole
-            child.digests = list(parent.digests)
+            child.digests, child.root = list(parent.digests), parent.root
         self._wake_mapper()
         return child.index
 
@@ -309,16 +314,19 @@ class KVCache:
         with self._lock:
             return self._pool.num_free
 
-    def can_admit(self, num_tokens: int) -> bool:
-        """Whether a new request of `num_tokens` could get a reqid and be stepped now."""
-        num_tokens = exact_int(num_tokens, "num_tokens", 0, self.config.max_context)
+    def can_admit(self, num_tokens: int, growing: Mapping[int, int] | None = None) -> bool:
+        """Whether a new request of `num_tokens` could get a reqid and be stepped now, while the
+        active reqids in `growing` grow to those lengths as well (what a scheduler reserves)."""
+        cfg = self.config
+        num_tokens = exact_int(num_tokens, "num_tokens", 0, cfg.max_context)
         with self._lock:
             self._check_open()
             slot = self._next_free_slot()
             if slot is None:
                 return False
-            missing = max(0, self.config.pages_for(num_tokens) - len(slot.pages)) * self.config.num_buffers
-            return missing <= self._available_pages({slot.index: len(slot.pages)})
+            targets = [(slot, num_tokens), *self._validated_lengths(growing or {})]
+            missing = sum(max(0, cfg.pages_for(n) - len(s.pages)) for s, n in targets) * cfg.num_buffers
+            return missing <= self._available_pages({s.index: len(s.pages) for s, _ in targets})
 
     # ---------------------------------------------------------------- reporting, lifetime
 

@@ -27,6 +27,14 @@ ROOT = b""
 """The digest before the first unit."""
 
 
+def salted_root(salt: str | None) -> bytes:
+    """The digest before the first unit of a request with `salt` (vLLM's `cache_salt`): requests
+    with different salts never find each other's units, as tenants must not."""
+    if salt is None:
+        return ROOT
+    return hashlib.blake2b(b"cache_salt\0" + salt.encode(errors="surrogatepass"), digest_size=16).digest()
+
+
 def chain_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The key of a unit: its tokens after its parent's key (blake2b, 128 bits: a collision
     would hand one request another's KV, so no 64-bit Python hash)."""

@@ -37,6 +37,8 @@ class Slot:
     never writes them again (its length cannot go back below them)."""
     digests: list[bytes] = field(default_factory=list)
     """Prefix-cache keys of this request's first units (vattn.prefix_cache), in order."""
+    root: bytes = b""
+    """The key its first unit's digest chains from (its cache salt's, vattn.prefix_cache)."""
     leases: set[weakref.ref[Any]] = field(default_factory=set)
     """Live leases of tensors (or attention batches) that can reach this slot; each one's
     weak reference takes itself out when the lease dies (see vattn.memory)."""

@@ -12,7 +12,9 @@ def make_backend(config: KVCacheConfig) -> VMMBackend:
     if config.backend == "host":
         from vattn.backends.host import HostBackend
 
-        return HostBackend(config.page_size, config.pool_pages, config.num_buffers, config.native)
+        return HostBackend(
+            config.page_size, config.pool_pages, config.num_buffers, config.reservation_bytes, config.native
+        )
     if config.backend == "cuda":
         from vattn.backends.cuda import CudaBackend
 

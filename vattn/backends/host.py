@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ from vattn.backends.host_calls import (
     check_mmap,
     select_host_calls,
 )
+from vattn.errors import ConfigurationError
 
 RESERVATION_FLAGS = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -47,6 +49,24 @@ def current_map_count() -> int:
         return sum(1 for _ in maps)
 
 
+def free_address_space() -> tuple[int, str]:
+    """Bytes of address space this process can still reserve, and the limit that sets them:
+    the user address space (its top is the highest mapping, the stack's, rounded up to a power
+    of two) or RLIMIT_AS, less what the process has mapped or reserved."""
+    top, used = 0, 0
+    with open("/proc/self/maps", "rb") as maps:
+        for line in maps:
+            start, end = (int(x, 16) for x in line.split(b" ", 1)[0].split(b"-"))
+            if end < 1 << 63 and not line.rstrip().endswith(b"[vsyscall]"):
+                top, used = max(top, end), used + end - start
+    bits = top.bit_length()
+    free, limit = (1 << bits) - used, f"the {bits}-bit user address space"
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY and soft - used < free:
+        free, limit = soft - used, f"RLIMIT_AS ({soft} B)"
+    return free, limit
+
+
 class MapCountBudget:
     """The memory mappings promised to this process's host caches, so that together, not
     just each alone, they stay under vm.max_map_count however their pages end up mapped."""
@@ -61,7 +81,7 @@ class MapCountBudget:
         with self._lock:
             limit, used = max_map_count(), current_map_count()
             if used + self.promised + count + MAP_COUNT_HEADROOM > limit:
-                raise ValueError(
+                raise ConfigurationError(
                     f"{what} could need {count} memory mappings, but vm.max_map_count is {limit}, the "
                     f"process uses {used} and its other caches may need {self.promised} more: use a "
                     "larger page_size or a smaller memory_budget (or raise vm.max_map_count)"
@@ -82,11 +102,22 @@ class HostBackend(VMMBackend):
 
     name = "host"
 
-    def __init__(self, page_size: int, max_pages: int, reservations: int, native: bool | None) -> None:
+    def __init__(
+        self, page_size: int, max_pages: int, reservations: int, reservation_bytes: int, native: bool | None
+    ) -> None:
+        """`reservations` ranges of `reservation_bytes` each will be reserved; a pool of at most
+        `max_pages` pages. Refused at once (ConfigurationError) if the address space or
+        vm.max_map_count cannot hold them."""
         super().__init__()
         granularity = os.sysconf("SC_PAGE_SIZE")
         if page_size % granularity:
             raise ValueError(f"page_size {page_size} must be a multiple of the OS page size {granularity}")
+        free, limit = free_address_space()
+        if reservations * reservation_bytes > free:
+            raise ConfigurationError(
+                f"this cache reserves {reservations} x {reservation_bytes} B of address space (every slot "
+                f"at full context), but {limit} leaves {free} B: use fewer max_slots or a shorter max_context"
+            )
         self.page_size = page_size
         self.calls: HostCalls = select_host_calls(native)
         # Worst case: every page mapped apart from its neighbours' pool offsets, each

@@ -135,10 +135,17 @@ class PagedKVCache:
         for slot, n in targets:
             self._lengths[slot] = n
 
-    def can_admit(self, num_tokens: int) -> bool:
-        num_tokens = exact_int(num_tokens, "num_tokens", 0, self.config.max_context)
+    def can_admit(self, num_tokens: int, growing: Mapping[int, int] | None = None) -> bool:
+        """As `KVCache.can_admit`: room for a new request of `num_tokens` and for the active
+        reqids in `growing` to reach those lengths."""
+        cfg = self.config
+        num_tokens = exact_int(num_tokens, "num_tokens", 0, cfg.max_context)
         self._check_open()
-        return bool(self._free_slots) and self.config.blocks_for(num_tokens) <= self._pool.num_free
+        grow = sum(
+            max(0, cfg.blocks_for(exact_int(n, "length", 0, cfg.max_context)) - len(self._owned[self._active_slot(r)]))
+            for r, n in (growing or {}).items()
+        )
+        return bool(self._free_slots) and cfg.blocks_for(num_tokens) + grow <= self._pool.num_free
 
     # ---------------------------------------------------------------- reading
 
