@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.linear import QUANTIZATIONS
-from vattn.config import DTYPES, require_positive_int
+from vattn.config import DTYPES, is_int, require_positive_int
 from vattn.kernels import KERNELS
 from vattn.paged import PAGED_KERNELS
 from vattn.sizes import KiB, MiB
@@ -26,6 +26,9 @@ class EngineConfig:
     """Prompt plus output tokens of one request (capped at the model's own limit)."""
     max_batched_tokens: int = 256
     """Tokens one iteration computes: prefill chunks plus decodes."""
+    reserve_tokens: int = 128
+    """Output tokens of every running request that admission keeps room for (serving.scheduler):
+    more admits more requests at once, and risks more preemptions when they all run long."""
     kv_budget: int = 1024 * MiB
     """Physical bytes the KV cache may map."""
     kv_cache: str = "virtual"
@@ -50,6 +53,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         require_positive_int("max_batched_tokens", self.max_batched_tokens)
+        if not is_int(self.reserve_tokens) or self.reserve_tokens < 0:
+            raise ValueError(f"reserve_tokens must be an integer >= 0, got {self.reserve_tokens!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache not in KV_CACHES:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -23,13 +24,22 @@ from serving.kv_store import KVStore, make_kv_store
 from serving.model_runner import ModelRunner, load_model, model_shape
 from serving.model_store import ensure_default_model
 from serving.outputs import RequestOutput, StreamDelta
-from serving.request import Request, TokenLogprob, generation_room, prompt_token_ids
-from serving.sampler import sample
+from serving.request import (
+    Request,
+    RequestError,
+    TokenLogprob,
+    check_prompt_ids,
+    generation_room,
+    prompt_token_ids,
+)
+from serving.sampler import SamplingError, check_satisfiable, sample
 from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler
 from serving.stop_strings import find_stop, held_back
-from serving.structured_output import GrammarCompiler, advance
+from serving.structured_output import GrammarCompiler, GrammarError, advance
 from vattn import CacheStats
+
+log = logging.getLogger("vattn.engine")
 
 
 class KVSequence(Protocol):
@@ -50,6 +60,8 @@ class EngineStats:
     waiting: int
     preemptions: int
     iterations: int
+    last_iteration_tokens: int
+    """Tokens the last iteration computed (its prompt chunks and decodes)."""
     kv: CacheStats
 
 
@@ -59,12 +71,13 @@ class LLMEngine:
         model, self.tokenizer = load_model(config.model or ensure_default_model(), config.torch_dtype)
         shape = model_shape(model)
         self.max_context = min(config.max_context, shape.max_position)
-        self._vocab_size = shape.vocab_size
-        self._grammars = GrammarCompiler(self.tokenizer, shape.vocab_size)
+        self.vocab_size = shape.vocab_size
+        self.grammars = GrammarCompiler(self.tokenizer, shape.vocab_size)
+        """Callers may compile grammars ahead on other threads (`compile`), so admission finds them ready."""
         self.kv: KVStore = make_kv_store(config, shape, self.max_context)
         """Slots and pages; callers read it through `stats()`, tests inspect the allocator behind it."""
         self._runner = ModelRunner(model, shape, self.kv.attend, config.quantization)
-        self._scheduler = Scheduler(self.kv, config.max_batched_tokens)
+        self._scheduler = Scheduler(self.kv, config.max_batched_tokens, self.max_context, config.reserve_tokens)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._generator = torch.Generator().manual_seed(config.seed)
@@ -73,7 +86,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self._changed: dict[Request, None] = {}
         """Requests that moved since the last step() returned (ordered, no repeats)."""
-        self._iterations = 0
+        self._iterations = self._last_iteration_tokens = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -85,8 +98,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.encode(prompt)
-        params.check_token_ids(self._vocab_size)
-        matcher = None if params.structured_output is None else self._grammars.matcher(params.structured_output)
+        params.check_token_ids(self.vocab_size)
+        matcher = None if params.structured_output is None else self.grammars.matcher(params.structured_output)
+        check_satisfiable(params, matcher, self.eos_token_ids, self.vocab_size)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -107,8 +121,7 @@ class LLMEngine:
         """A prompt's text (None when given as ids) and token ids; ValueError unless it is
         non-empty, in the vocabulary and leaves room to generate."""
         text, ids = prompt_token_ids(self.tokenizer, prompt)
-        if any(not 0 <= t < self._vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {self._vocab_size})")
+        check_prompt_ids(ids, self.vocab_size)
         generation_room(len(ids), self.max_context)
         return text, ids
 
@@ -159,6 +172,7 @@ class LLMEngine:
             waiting=len(scheduler.waiting),
             preemptions=scheduler.preemptions,
             iterations=self._iterations,
+            last_iteration_tokens=self._last_iteration_tokens,
             kv=self.kv.stats(),
         )
 
@@ -170,7 +184,7 @@ class LLMEngine:
         if batch is not None:
             samples = [batch.samples(i) for i in range(len(batch.requests))]
             self._run(batch.requests, batch.new_tokens, samples)
-        deltas = [delta for request in self._changed if (delta := self._delta(request)) is not None]
+        deltas = [delta for request in list(self._changed) if (delta := self._safe_delta(request)) is not None]
         self._changed.clear()
         return deltas
 
@@ -181,14 +195,32 @@ class LLMEngine:
         sampled, sample_rows, first = [], [], 0
         for request, start, count, wanted in zip(requests, starts, rows, samples, strict=True):
             if request.wants_prompt_logprobs:
-                self._record_prompt_logprobs(request, start, logits[first : first + count])
-            if wanted:
+                self._isolated(request, self._record_prompt_logprobs, request, start, logits[first : first + count])
+            if wanted and not request.finished:
                 sampled.append(request)
                 sample_rows.append(first + count - 1)
             first += count
         choices = sample(logits[sample_rows], sampled, self.eos_token_ids, self._generator)
-        for request, (token, logprob) in zip(sampled, choices, strict=True):
-            self._append(request, token, logprob)
+        for request, choice in zip(sampled, choices, strict=True):
+            if isinstance(choice, SamplingError):
+                self._fail(request, RequestError(str(choice)))
+            else:
+                self._isolated(request, self._append, request, *choice)
+
+    def _isolated(self, request: Request, work: Callable[..., None], *args: Any) -> None:
+        """Runs one request's own processing; whatever it raises ends that request alone."""
+        try:
+            work(*args)
+        except GrammarError as error:
+            self._fail(request, RequestError(str(error)))
+        except Exception as error:
+            log.exception("request %s failed; the others go on", request.request_id)
+            self._fail(request, RequestError(f"processing the request failed: {error!r}", internal=True))
+
+    def _fail(self, request: Request, error: RequestError) -> None:
+        if not request.finished:
+            request.error = error
+            self._finish(request, "error")
 
     def _record_prompt_logprobs(self, request: Request, start: int, logits: Tensor) -> None:
         """Logits of rows `start, start + 1, ...` predict prompt tokens `start + 1, ...`."""
@@ -219,13 +251,14 @@ class LLMEngine:
             sequence.num_computed += n
             self.kv.remember(sequence.slot, sequence.all_ids[: sequence.num_computed])  # type: ignore[arg-type]
         self._iterations += 1
+        self._last_iteration_tokens = len(ids)
         wanted = [
             row
             for i, count in enumerate(rows)
             for row in range(attention.starts[i + 1] - count, attention.starts[i + 1])
         ]
         if not wanted:
-            return torch.empty(0, self._vocab_size)
+            return torch.empty(0, self.vocab_size)
         return self._runner.logits(hidden[torch.tensor(wanted, device=device)]).cpu()
 
     def _append(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
@@ -258,6 +291,18 @@ class LLMEngine:
         request.finish_time = time.monotonic()
         self._changed[request] = None
 
+    def _safe_delta(self, request: Request) -> StreamDelta | None:
+        """The request's delta; if making it raises, the request ends alone with its error."""
+        try:
+            return self._delta(request)
+        except Exception as error:
+            log.exception("request %s failed; the others go on", request.request_id)
+            self._fail(request, RequestError(f"processing the request failed: {error!r}", internal=True))
+            request.finish_reported = True
+            return StreamDelta(
+                request.request_id, "", [], None, "error", request.cached_tokens or 0, None, request.error
+            )
+
     def _delta(self, request: Request) -> StreamDelta | None:
         """What `request` produced since its last delta; text that may begin a stop string waits."""
         text = request.text
@@ -277,6 +322,7 @@ class LLMEngine:
             request.finish_reason,
             request.cached_tokens or 0,
             list(request.prompt_logprobs) if first else None,
+            request.error,
         )
 
     def close(self) -> None:
@@ -295,6 +341,8 @@ def plan_forks(requests: Sequence[Request], min_tokens: int) -> None:
         at = bisect.bisect(earlier, key, key=lambda entry: entry[0])
         best, point = None, 0
         for _, other in earlier[max(0, at - 1) : at + 1]:
+            if other.params.cache_salt != request.params.cache_salt:
+                continue  # never shares KV with another tenant
             shared = _common_prefix(other.prompt_ids, request.prompt_ids)
             candidate = min(shared, len(other.prompt_ids) - 1, len(request.prompt_ids) - 1)
             if candidate > point:

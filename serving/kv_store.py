@@ -37,12 +37,14 @@ class IterationBatch(Protocol):
 class KVStore(Protocol):
     device: torch.device
 
-    def admit(self, num_tokens: int) -> int | None:
-        """A slot for a new request whose first iteration covers `num_tokens`, or None if it cannot start now."""
+    def admit(self, num_tokens: int, growing: Mapping[int, int] | None = None) -> int | None:
+        """A slot for a new request that needs room for `num_tokens`, while the slots in
+        `growing` grow to those lengths too; None if that cannot be promised now."""
 
-    def reuse_prefix(self, slot: int, token_ids: Sequence[int]) -> int:
+    def reuse_prefix(self, slot: int, token_ids: Sequence[int], salt: str | None = None) -> int:
         """Gives a newly admitted slot the KV of the longest prefix of `token_ids` that the store
-        still holds; returns how many tokens that is (0 without a prefix cache)."""
+        still holds for requests with the same `salt`; returns how many tokens that is (0
+        without a prefix cache). The slot's tokens are remembered under that salt."""
 
     def remember(self, slot: int, token_ids: Sequence[int]) -> None:
         """`token_ids` are the tokens whose KV the slot now holds: later requests may reuse them."""
@@ -82,10 +84,10 @@ class CacheStore:
         self.device: torch.device = cache.device
         self._kernel = kernel
 
-    def admit(self, num_tokens: int) -> int | None:
-        return self.cache.alloc_reqid() if self.cache.can_admit(num_tokens) else None
+    def admit(self, num_tokens: int, growing: Mapping[int, int] | None = None) -> int | None:
+        return self.cache.alloc_reqid() if self.cache.can_admit(num_tokens, growing) else None
 
-    def reuse_prefix(self, slot: int, token_ids: Sequence[int]) -> int:
+    def reuse_prefix(self, slot: int, token_ids: Sequence[int], salt: str | None = None) -> int:
         return 0
 
     def remember(self, slot: int, token_ids: Sequence[int]) -> None:
@@ -140,8 +142,8 @@ class VirtualKVStore(CacheStore):
         config = self.cache.config
         return config.pages_for(num_tokens) * config.page_step_bytes
 
-    def reuse_prefix(self, slot: int, token_ids: Sequence[int]) -> int:
-        return self.cache.match_prefix(slot, token_ids) if self._prefix_caching else 0
+    def reuse_prefix(self, slot: int, token_ids: Sequence[int], salt: str | None = None) -> int:
+        return self.cache.match_prefix(slot, token_ids, salt) if self._prefix_caching else 0
 
     def remember(self, slot: int, token_ids: Sequence[int]) -> None:
         if self._prefix_caching:

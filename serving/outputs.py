@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serving.request import Request, TokenLogprob
+from serving.request import Request, RequestError, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,8 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    """"stop" (EOS, a stop token or string), "length" (max_tokens or the context), "abort"."""
+    """"stop" (EOS, a stop token or string), "length" (max_tokens or the context), "abort", or
+    "error" (see `error`)."""
     logprobs: list[TokenLogprob] | None
     ttft: float | None
     """Seconds from arrival to the first generated token."""
@@ -27,6 +28,8 @@ class RequestOutput:
     cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: RequestError | None = None
+    """Why the request ended with finish reason "error" (its own fault or, if `internal`, the server's)."""
 
     @classmethod
     def of(cls, request: Request) -> RequestOutput:
@@ -44,6 +47,7 @@ class RequestOutput:
             preemptions=request.preemptions,
             cached_tokens=request.cached_tokens or 0,
             prompt_logprobs=list(request.prompt_logprobs) if request.params.prompt_logprobs is not None else None,
+            error=request.error,
         )
 
 
@@ -60,6 +64,8 @@ class StreamDelta:
     """Prompt tokens of the request whose KV came from the prefix cache."""
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """In a request's first delta, with `prompt_logprobs` asked for."""
+    error: RequestError | None = None
+    """With finish reason "error": why."""
 
     @property
     def finished(self) -> bool:

@@ -34,6 +34,14 @@ def prompt_token_ids(tokenizer: Any, prompt: object, add_special_tokens: bool = 
     return None, ids
 
 
+def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
+    """ValueError naming the first prompt token id outside the vocabulary: checked before
+    anything (the engine, an echo) decodes the ids."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {bad}")
+
+
 def generation_room(prompt_tokens: int, max_context: int) -> int:
     """Tokens a prompt leaves for generation; ValueError when it leaves none."""
     if prompt_tokens >= max_context:
@@ -42,6 +50,16 @@ def generation_room(prompt_tokens: int, max_context: int) -> int:
             "(prompt plus at least one generated token)"
         )
     return max_context - prompt_tokens
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request ended with finish reason "error"; it alone ended, every other request goes on."""
+
+    message: str
+    internal: bool = False
+    """True for a failure of the server's own (a bug: 500), False for the request's own
+    contradiction (constraints that leave no token: 400)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +111,8 @@ class Request:
     """The grammar matcher of a request with structured output (serving.structured_output)."""
     cached_tokens: int | None = None
     """Prompt tokens found in the prefix cache when first admitted (not computed)."""
+    error: RequestError | None = None
+    """Set when the request ended with finish reason "error"."""
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -6,32 +6,45 @@ greedy requests, and for the others temperature, min-p, top-k and top-p, and a d
 each request's own random stream. Each control is one tensor operation over the rows that
 use it: the only Python loops run over requests (a random number each) or over the token
 ids a request names, never over the vocabulary.
+
+A row whose controls leave no token possible (a grammar that needs EOS while `min_tokens`
+bans it, allowed ids the grammar refuses) gets no token: its request alone ends with an
+error, and the rest of the batch is sampled as if it were not there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from serving.request import Request, TokenLogprob
-from serving.structured_output import mask_disallowed
+from serving.sampling_params import SamplingParams
+from serving.structured_output import allowed_next, mask_disallowed
 
 
 @torch.inference_mode()
 def sample(
     logits: Tensor, requests: list[Request], eos_token_ids: Collection[int], fallback: torch.Generator
-) -> list[tuple[int, TokenLogprob | None]]:
-    """One token per row of `logits` `[rows, vocab]` (float32, CPU), which it may change.
+) -> list[tuple[int, TokenLogprob | None] | SamplingError]:
+    """One token per row of `logits` `[rows, vocab]` (float32, CPU), which it may change, or
+    the error that ends row i's request alone (no token satisfies its controls).
 
     Log-probabilities are those of the model's own distribution (before any control), as
     vLLM reports them by default.
     """
     wants_logprobs = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     raw = torch.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None
-    _constrain(logits, requests, eos_token_ids)
+    errors: dict[int, SamplingError] = _constrain(logits, requests, eos_token_ids)
     _penalize(logits, requests)
+    possible = (logits > float("-inf")).any(dim=-1).tolist()  # False for NaN rows too
+    for i, request in enumerate(requests):
+        if not possible[i] and i not in errors:
+            errors[i] = SamplingError(f"no token satisfies every constraint of the request ({_controls(request)})")
+    if errors:
+        logits[list(errors)] = 0.0  # a finite row, so that the batched operations below stay defined
     tokens = _choose(logits, requests, fallback)
     logprobs: list[TokenLogprob | None] = [None] * len(requests)
     if raw is not None:
@@ -42,14 +55,57 @@ def sample(
             ids = top.indices[k, :n].tolist() if top is not None else []
             values = top.values[k, :n].tolist() if top is not None else []
             logprobs[i] = TokenLogprob(tokens[i], float(raw[k, tokens[i]]), tuple(zip(ids, values, strict=True)))
-    return list(zip(tokens, logprobs, strict=True))
+    return [errors.get(i) or (tokens[i], logprobs[i]) for i in range(len(requests))]
 
 
-def _constrain(logits: Tensor, requests: list[Request], eos_token_ids: Collection[int]) -> None:
-    """Grammar masks, allowed tokens, min_tokens bans and logit biases, in place."""
+def check_satisfiable(params: SamplingParams, matcher: Any, eos_token_ids: Collection[int], vocab_size: int) -> None:
+    """ValueError naming the field when the request's controls leave no first token possible
+    (contradictions that show before it runs; later ones end the request with an error)."""
+    possible = torch.ones(vocab_size, dtype=torch.bool)
+    if params.min_tokens:
+        possible[[t for t in {*eos_token_ids, *params.stop_token_ids} if t < vocab_size]] = False
+    if params.allowed_token_ids is not None:
+        allowed = torch.zeros(vocab_size, dtype=torch.bool)
+        allowed[list(params.allowed_token_ids)] = True
+        if not (possible & allowed).any():
+            raise ValueError(
+                f"allowed_token_ids holds only EOS or stop tokens, which min_tokens={params.min_tokens} "
+                "forbids before then: no token can be generated"
+            )
+        possible &= allowed
+    if matcher is not None and not (possible & allowed_next(matcher, vocab_size)).any():
+        field = "allowed_token_ids" if params.allowed_token_ids is not None else "min_tokens"
+        raise ValueError(f"{field} leaves no token that the structured output allows to begin with")
+
+
+class SamplingError(Exception):
+    """Why a request cannot go on: the fault is its own, and no other request's."""
+
+
+def _controls(request: Request) -> str:
+    """The request's controls that can rule tokens out, for the error message."""
+    params = request.params
+    names = [
+        "structured output" if request.matcher is not None else "",
+        "allowed_token_ids" if params.allowed_token_ids is not None else "",
+        f"min_tokens={params.min_tokens} (no EOS or stop token yet)"
+        if len(request.output_ids) < params.min_tokens
+        else "",
+        "logit_bias" if params.logit_bias else "",
+    ]
+    return ", ".join(name for name in names if name) or "none: the model's logits are not finite"
+
+
+def _constrain(logits: Tensor, requests: list[Request], eos_token_ids: Collection[int]) -> dict[int, SamplingError]:
+    """Grammar masks, allowed tokens, min_tokens bans and logit biases, in place; returns the
+    rows whose grammar matcher failed (limits, or an error state), by row."""
+    errors: dict[int, SamplingError] = {}
     constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
     if constrained:
-        mask_disallowed(logits, constrained, [requests[i].matcher for i in constrained])
+        failures = mask_disallowed(logits, constrained, [requests[i].matcher for i in constrained])
+        errors.update(
+            {constrained[k]: SamplingError(f"structured output: {message}") for k, message in failures.items()}
+        )
     whitelisted = [i for i, r in enumerate(requests) if r.params.allowed_token_ids is not None]
     if whitelisted:
         allowed = torch.zeros(len(whitelisted), logits.shape[1], dtype=torch.bool)
@@ -73,6 +129,7 @@ def _constrain(logits: Tensor, requests: list[Request], eos_token_ids: Collectio
     if rows:
         where = (torch.tensor(rows), torch.tensor(cols))
         logits.index_put_(where, torch.tensor(values, dtype=logits.dtype), accumulate=True)
+    return errors
 
 
 def _penalize(logits: Tensor, requests: list[Request]) -> None:

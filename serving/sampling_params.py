@@ -56,6 +56,8 @@ class SamplingParams:
     """Only these tokens may be generated (vLLM's)."""
     structured_output: StructuredOutput | None = None
     """A grammar the output must follow (serving.structured_output)."""
+    cache_salt: str | None = None
+    """vLLM's: the request shares prefix-cached (and forked) KV only with requests of the same salt."""
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -97,8 +99,11 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.logit_bias is not None:
             bias = self.logit_bias
-            if not isinstance(bias, Mapping) or not all(is_int(t) and t >= 0 for t in bias):
+            if not isinstance(bias, Mapping):
                 raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+            bad = next((t for t in bias if not is_int(t) or t < 0), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias must map token ids to numbers: {bad!r} is not a token id")
             if not all(_is_number(b) and -100 <= b <= 100 for b in bias.values()):
                 raise ValueError("logit_bias values must be numbers in [-100, 100]")
             object.__setattr__(self, "logit_bias", dict(bias))
@@ -108,11 +113,15 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}")
             object.__setattr__(self, "allowed_token_ids", tuple(allowed))
 
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+
     def check_token_ids(self, vocab_size: int) -> None:
         """ValueError naming the field if a token id it lists is not in the vocabulary."""
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
-            if any(t >= vocab_size for t in getattr(self, name) or ()):
-                raise ValueError(f"{name} must hold token ids in [0, {vocab_size})")
+            bad = next((t for t in getattr(self, name) or () if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name} must hold token ids in [0, {vocab_size}): {bad} is not in the vocabulary")
 
     @property
     def penalized(self) -> bool:

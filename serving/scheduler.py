@@ -5,6 +5,13 @@ token, or the next chunk of a prompt), then waiting requests as long as the KV s
 admits them. The store grows every slot before the model runs; if it runs out of
 pages, the newest running request is preempted (its slot freed, its tokens recomputed
 later) and the iteration is planned again.
+
+Admission looks ahead so that preemption stays rare: a request starts only if the store
+can hold, at once, its whole prompt and next `reserve_tokens` output tokens and the same
+reservation of every running request (each capped at its max_tokens). Admitting on the
+first chunk alone lets more requests in than fit, and under a tight budget they evict
+each other and compute their prompts again and again. With nothing running, a request
+starts as soon as its first chunk fits, so a request larger than the reserve still runs.
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVStore, max_batched_tokens: int) -> None:
+    def __init__(self, kv: KVStore, max_batched_tokens: int, max_context: int, reserve_tokens: int) -> None:
         self.kv = kv
         self.max_batched_tokens = max_batched_tokens
+        self.max_context = max_context
+        self.reserve_tokens = reserve_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -85,15 +94,29 @@ class Scheduler:
             if parent is not None and parent.status is RequestStatus.RUNNING and parent.num_computed < request.fork_at:
                 break  # it waits for its parent's prefix, and the queue behind it too
             request.fork_of = None  # its parent went past the fork point, or stopped: computed as usual
-            slot = self.kv.admit(min(request.length, budget))
+            if self.running:
+                growing = {r.slot: self._reservation(r) for r in self.running if r.slot is not None}
+                slot = self.kv.admit(self._reservation(request), growing)
+            else:
+                slot = self.kv.admit(min(request.length, budget))
             if slot is None:
                 break
             # prompt logprobs need the prompt's logits: computed, not found in the cache
-            request.num_computed = 0 if request.wants_prompt_logprobs else self.kv.reuse_prefix(slot, request.all_ids)
+            request.num_computed = (
+                0
+                if request.wants_prompt_logprobs
+                else self.kv.reuse_prefix(slot, request.all_ids, request.params.cache_salt)
+            )
             if request.cached_tokens is None:  # what usage reports: the first admission's
                 request.cached_tokens = min(request.num_computed, len(request.prompt_ids))
             budget -= self._start(request, slot, budget, plan)
         return plan
+
+    def _reservation(self, request: Request) -> int:
+        """The tokens a request is promised room for: all it has and `reserve_tokens` more,
+        within its max_tokens and the context."""
+        end = min(len(request.prompt_ids) + request.params.max_tokens, self.max_context)
+        return max(request.length, min(request.length + self.reserve_tokens, end))
 
     @staticmethod
     def _can_fork(request: Request) -> bool:

@@ -10,6 +10,8 @@ batched step; the sampled token then advances the matcher.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,42 +47,111 @@ class StructuredOutput:
         return cls("choice", json.dumps(choices))
 
 
+MAX_SPEC_CHARS = 256 * 1024
+"""Longest schema, regex, choice list or grammar accepted (a 3,000-property JSON schema is ~220K)."""
+COMPILED_KEPT = 64
+"""Compiled grammars kept for reuse: clients tend to send the same schema again."""
+
+
 class GrammarCompiler:
-    """Matchers for one tokenizer. The llguidance tokenizer is built on first use (~0.3 s)."""
+    """Matchers for one tokenizer, compiled once per grammar and copied for each request.
+
+    `compile` may run on any thread (the server runs it off the engine thread: llguidance
+    drops the GIL while it builds), and llguidance's parser limits bound the work a grammar
+    can cost, at compile time and at every token. The llguidance tokenizer is built on first
+    use (~0.5 s)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self._hf_tokenizer, self.vocab_size = tokenizer, vocab_size
         self._tokenizer: Any = None
+        self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, output: StructuredOutput) -> Any:
+        """The compiled matcher of `output` (kept for reuse); ValueError with llguidance's
+        message if the spec is invalid or over a limit."""
+        with self._lock:
+            if (compiled := self._compiled.get(output)) is not None:
+                self._compiled.move_to_end(output)
+                return compiled
+            tokenizer = self._llg_tokenizer()
+        compiled = _compile(output, tokenizer)
+        with self._lock:
+            self._compiled[output] = compiled
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return compiled
 
     def matcher(self, output: StructuredOutput) -> Any:
-        """A fresh llguidance matcher; ValueError with llguidance's message if the spec is invalid."""
-        import llguidance
+        """A fresh matcher for one request (a copy of the compiled one)."""
+        return self.compile(output).deep_copy()
+
+    def _llg_tokenizer(self) -> Any:
         import llguidance.hf
 
         if self._tokenizer is None:
             self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
-        try:
-            grammar = llguidance.grammar_from(KINDS[output.kind], output.spec)
-        except ValueError as error:
-            raise ValueError(f"structured output: {error}") from error
-        if error := llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer):
-            raise ValueError(f"structured output: the {output.kind} is not valid: {error.strip()}")
-        return llguidance.LLMatcher(self._tokenizer, grammar)
+        return self._tokenizer
 
 
-def mask_disallowed(logits: Tensor, rows: list[int], matchers: list[Any]) -> None:
-    """Sets to -inf, in place, every logit of row `rows[i]` that matcher i does not allow next."""
+def _compile(output: StructuredOutput, tokenizer: Any) -> Any:
+    import llguidance
+
+    if len(output.spec) > MAX_SPEC_CHARS:
+        size, limit = len(output.spec), MAX_SPEC_CHARS
+        raise ValueError(f"structured output: the {output.kind} has {size} characters, over the limit of {limit}")
+    try:
+        grammar = llguidance.grammar_from(KINDS[output.kind], output.spec)
+    except ValueError as error:
+        raise ValueError(f"structured output: {error}") from error
+    limits = llguidance.LLParserLimits(verbose_errors=False)  # llguidance's default bounds, no grammar in messages
+    if error := llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits):
+        raise ValueError(f"structured output: the {output.kind} is not valid: {error.strip()}")
+    matcher = llguidance.LLMatcher(tokenizer, grammar, limits=limits)
+    if matcher.is_error():
+        raise ValueError(f"structured output: the {output.kind} cannot be used: {matcher.get_error()}")
+    return matcher
+
+
+def mask_disallowed(logits: Tensor, rows: list[int], matchers: list[Any]) -> dict[int, str]:
+    """Sets to -inf, in place, every logit of row `rows[i]` that matcher i does not allow next.
+    Returns the matchers that failed (a limit reached, an error state), by index, with why:
+    their rows allow nothing."""
     import llguidance.torch
 
+    failures: dict[int, str] = {}
     bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[1])
     for index, matcher in enumerate(matchers):
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, index)
+        try:
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, index)
+        except Exception as error:  # llguidance raises only on misuse; keep it to this request
+            failures[index] = str(error)
+        if index not in failures and matcher.is_error():
+            failures[index] = matcher.get_error()
+        if index in failures:
+            bitmask[index] = 0
     constrained = logits[rows]
     llguidance.torch.apply_token_bitmask_inplace(constrained, bitmask)
     logits[rows] = constrained
+    return failures
+
+
+def allowed_next(matcher: Any, vocab_size: int) -> Tensor:
+    """`[vocab_size]` bools: the tokens the matcher allows next."""
+    import llguidance.torch
+    import torch
+
+    bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+    llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+    bits = (bitmask[0, :, None] >> torch.arange(32, dtype=bitmask.dtype)) & 1
+    return bits.flatten()[:vocab_size].bool()
+
+
+class GrammarError(Exception):
+    """The request's grammar refused its own sampled token: the request ends, alone."""
 
 
 def advance(matcher: Any, token: int) -> None:
-    """Feeds the sampled token to the matcher; RuntimeError if it was not allowed (a bug)."""
+    """Feeds the sampled token to the matcher; GrammarError if it was not allowed."""
     if not matcher.consume_token(token):
-        raise RuntimeError(f"the grammar matcher refused token {token}: {matcher.get_error()}")
+        raise GrammarError(f"structured output: the grammar refused token {token}: {matcher.get_error()}")

@@ -7,7 +7,10 @@ from typing import Any
 
 import pytest
 
+from tests.fuzz import register_profiles
 from vattn import KVCache, KVCacheConfig
+
+register_profiles()
 
 SMALL_SHAPE: dict[str, Any] = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32"}
 """128 B per token per layer: a 4 KiB page holds 32 tokens, so page boundaries are cheap to cross."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import openai
 import uvicorn
+from fastapi import FastAPI
 
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
@@ -28,6 +29,7 @@ class LiveServer:
     url: str
     engine: AsyncEngine
     settings: ServerSettings
+    app: FastAPI
 
     def on_engine(self, fn: Any, timeout: float = 60) -> Any:
         """Runs fn(engine) on the engine thread (between iterations) and returns its result."""
@@ -73,7 +75,7 @@ def live_server(wait_ready: bool = True, **overrides: Any) -> Iterator[LiveServe
             threading.Event().wait(0.05)
         if wait_ready:
             assert engine.wait_ready(120), f"the model did not load: {engine.load_error}"
-        yield LiveServer(f"http://127.0.0.1:{port}", engine, settings)
+        yield LiveServer(f"http://127.0.0.1:{port}", engine, settings, app)
     finally:
         server.should_exit = True
         thread.join(30)

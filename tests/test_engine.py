@@ -14,6 +14,7 @@ from serving.detokenizer import IncrementalDetokenizer
 from serving.engine import plan_forks
 from serving.model_store import default_gguf, ensure_default_model
 from serving.request import Request
+from serving.structured_output import StructuredOutput
 
 PROMPTS = [
     "The capital of France is",
@@ -74,9 +75,10 @@ def test_greedy_matches_hf_generate_under_continuous_batching(llm: LLM, hf_greed
 
 
 def test_preemption_keeps_outputs_and_returns_every_page(hf_greedy: list[list[int]]) -> None:
-    # 64 KiB pages hold 85 tokens per layer tensor; 8 MiB is 128 page steps over 60 tensors:
-    # two pages per request for 8 requests would need more, so some are preempted.
-    small = LLM(**{**ENGINE, "kv_budget": 8 << 20, "max_context": 160})
+    # 16 KiB pages hold 21 tokens per layer tensor; 8 MiB is 8 page steps over 60 tensors, for
+    # 8 requests of 40-100 tokens: they outgrow it as they decode, and some are preempted
+    # (admission reserves no room for output here: by default it would hold requests back).
+    small = LLM(**{**ENGINE, "kv_budget": 8 << 20, "max_context": 160, "page_size": 16 << 10, "reserve_tokens": 0})
     try:
         assert run_staggered(small, PROMPTS, GREEDY) == hf_greedy
         assert small.engine.stats().preemptions > 0
@@ -85,6 +87,7 @@ def test_preemption_keeps_outputs_and_returns_every_page(hf_greedy: list[list[in
         assert cache.num_free_slots() == ENGINE["max_slots"] and cache.stats().active_bytes == 0
         cache.wait_for_background()
         cache.release_idle()
+        cache.evict_prefix_cache()  # 64-token units: the prefix cache kept some
         assert cache.num_free_pages() == cache.stats().pool_pages
     finally:
         small.close()
@@ -92,9 +95,11 @@ def test_preemption_keeps_outputs_and_returns_every_page(hf_greedy: list[list[in
 
 def test_the_paged_cache_gives_the_same_greedy_tokens(llm: LLM, hf_greedy: list[list[int]]) -> None:
     """The A/B the paper needs: the engine on the block-table baseline, unchanged otherwise,
-    with blocks of 7 tokens (not a divisor of anything) and a budget small enough to preempt."""
+    with blocks of 7 tokens (not a divisor of anything) and a budget small enough to preempt
+    (with no output reserved at admission)."""
     assert run_staggered(llm, PROMPTS, GREEDY) == hf_greedy
-    paged = LLM(**{**ENGINE, "kv_cache": "paged", "block_size": 7, "kv_budget": 8 << 20, "max_context": 160})
+    tight = {"kv_budget": 8 << 20, "max_context": 160, "reserve_tokens": 0}
+    paged = LLM(**{**ENGINE, "kv_cache": "paged", "block_size": 7, **tight})
     try:
         assert run_staggered(paged, PROMPTS, GREEDY) == hf_greedy
         assert paged.engine.stats().preemptions > 0
@@ -331,3 +336,48 @@ def test_prompt_logprobs_equal_hf_across_prefill_chunks(llm: LLM) -> None:
         assert entry is not None and entry.token_id == ids[position]
         assert entry.logprob == pytest.approx(float(reference[position - 1, ids[position]]), abs=1e-4)
         assert [t for t, _ in entry.top] == reference[position - 1].topk(3).indices.tolist()
+
+
+class ExplodingDetokenizer(IncrementalDetokenizer):
+    """A request whose processing raises (as a bug in its own text handling would)."""
+
+    def add(self, token: int) -> str:
+        raise RuntimeError("boom")
+
+
+def test_a_request_whose_processing_raises_ends_alone(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    engine = llm.engine
+    ids = [engine.add_request(prompt, params) for prompt in PROMPTS[:3]]
+    bad = engine.add_request(PROMPTS[3], params)
+    engine._requests[bad].detokenizer = ExplodingDetokenizer(llm.tokenizer, [])
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert [engine.result(i).token_ids for i in ids] == [out.token_ids for out in alone]
+    failed = engine.result(bad)
+    assert failed.finish_reason == "error" and failed.error is not None and failed.error.internal
+    assert "boom" in failed.error.message
+    assert [d.error for d in deltas if d.request_id == bad and d.finished] == [failed.error]
+    assert engine.kv.cache.num_free_slots() == ENGINE["max_slots"]
+
+
+def test_constraints_that_leave_no_token_are_refused_or_end_the_request_alone(llm: LLM) -> None:
+    no_token = [
+        SamplingParams(allowed_token_ids=[2], min_tokens=3, max_tokens=4),  # 2 is EOS
+        SamplingParams(allowed_token_ids=[7], stop_token_ids=[7], min_tokens=2, max_tokens=4),
+        SamplingParams(allowed_token_ids=[5], structured_output=StructuredOutput.choice(["hello"])),
+    ]
+    for params in no_token:
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            llm.generate(PROMPTS[0], params, use_tqdm=False)
+    # 'hi' (6004) starts the regex; after it the grammar wants EOS or 'x', and min_tokens bans EOS
+    later = SamplingParams(
+        allowed_token_ids=[6004, 2], min_tokens=3, max_tokens=6, structured_output=StructuredOutput("regex", "hi(x)*")
+    )
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    dead, fine = llm.generate([PROMPTS[0], PROMPTS[1]], [later, greedy], use_tqdm=False)
+    assert dead.finish_reason == "error" and dead.token_ids == [6004]
+    assert dead.error is not None and not dead.error.internal and "no token satisfies" in dead.error.message
+    assert fine.token_ids == llm.generate(PROMPTS[1], greedy, use_tqdm=False)[0].token_ids

@@ -166,6 +166,20 @@ def test_metrics_show_requests_tokens_and_the_allocator(server: LiveServer, clie
     ):
         assert values[f"vllm:{name}"] == values[f"vattn:{name}"], name
     assert values["vllm:request_decode_time_seconds_count"] >= 1
+    # vLLM's per-request histograms, with its buckets (1-2-5 up to the max model length for token counts)
+    for name, buckets in (
+        ("request_prompt_tokens", [1, 2, 5, 10, 20, 50, 100, 200]),
+        ("request_generation_tokens", [1, 2, 5, 10, 20, 50, 100, 200]),
+        ("request_params_max_tokens", [1, 2, 5, 10, 20, 50, 100, 200]),
+        ("request_params_n", [1, 2, 5, 10, 20]),
+        ("iteration_tokens_total", [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]),
+        ("request_inference_time_seconds", [0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60]),
+    ):
+        for bound in buckets:
+            assert f'vllm:{name}_bucket{{le="{float(bound)}"}}' in values, (name, bound)
+        assert values[f"vllm:{name}_count"] >= 1 and values[f"vllm:{name}_count"] == values[f"vattn:{name}_count"]
+    assert values['vllm:request_generation_tokens_bucket{le="5.0"}'] >= 1  # the 4-token completion
+    assert values['vllm:request_params_max_tokens_bucket{le="2.0"}'] < values["vllm:request_params_max_tokens_count"]
 
 
 def test_api_key_is_required_when_set() -> None:
@@ -206,3 +220,13 @@ def test_a_repeated_prompt_prefix_is_reported_cached(caching: bool) -> None:
         values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[0] != "#"}
         assert values["vattn:prefix_cache_hits_total"] == (128 if caching else 0)
         assert values["vattn:prefix_cache_queries_total"] == (2 * first.usage.prompt_tokens if caching else 0)
+
+        def cached(salt: str) -> int:
+            reply = client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body={"cache_salt": salt}
+            )
+            assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+            return reply.usage.prompt_tokens_details.cached_tokens or 0
+
+        # vLLM's cache_salt: another tenant's prompt is never a hit, its own is
+        assert [cached("tenant-b"), cached("tenant-b"), cached("tenant-c")] == [0, 128 if caching else 0, 0]

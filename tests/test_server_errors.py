@@ -9,8 +9,9 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 
+from tests.fuzz import examples
 from tests.live_server import MODEL, LiveServer, live_server
 
 MAX_CONTEXT = 48
@@ -43,6 +44,15 @@ BAD_REQUESTS = [
     ("prompt is a number", COMPLETIONS, {"json": completion(prompt=3)}, 400, "prompt"),
     ("empty prompt", COMPLETIONS, {"json": completion(prompt="")}, 400, "empty"),
     ("token id out of vocabulary", COMPLETIONS, {"json": completion(prompt=[1, 10**9])}, 400, "token ids"),
+    # found by the fuzz: the echo decoded the ids before they were checked (a 500)
+    ("negative token id echoed", COMPLETIONS, {"json": completion(prompt=[-1], echo=True)}, 400, "got -1"),
+    (
+        "token id past 64 bits echoed",
+        COMPLETIONS,
+        {"json": completion(prompt=[[5], [2**70]], echo=True, logprobs=1, stream=True)},
+        400,
+        f"got {2**70}",
+    ),
     ("max_tokens is a string", COMPLETIONS, {"json": completion(max_tokens="many")}, 400, "max_tokens"),
     ("max_tokens 0", COMPLETIONS, {"json": completion(max_tokens=0)}, 400, "max_tokens"),
     ("max_tokens too large", COMPLETIONS, {"json": completion(max_tokens=500)}, 400, f"length is {MAX_CONTEXT}"),
@@ -60,9 +70,15 @@ BAD_REQUESTS = [
     ("min_tokens over max_tokens", COMPLETIONS, {"json": completion(min_tokens=5)}, 400, "min_tokens"),
     ("negative stop token", COMPLETIONS, {"json": completion(stop_token_ids=[-1])}, 400, "stop_token_ids"),
     ("stop token out of vocabulary", COMPLETIONS, {"json": completion(stop_token_ids=[10**6])}, 400, "stop_token_ids"),
-    ("logit_bias key not a token", COMPLETIONS, {"json": completion(logit_bias={"a": 1})}, 400, "logit_bias"),
+    ("logit_bias key not a token", COMPLETIONS, {"json": completion(logit_bias={"a": 1})}, 400, "'a' is not one"),
     ("logit_bias over 100", COMPLETIONS, {"json": completion(logit_bias={"5": 200})}, 400, "logit_bias"),
-    ("logit_bias out of vocabulary", COMPLETIONS, {"json": completion(logit_bias={"999999": 1})}, 400, "logit_bias"),
+    (
+        "logit_bias out of vocabulary",
+        COMPLETIONS,
+        {"json": completion(logit_bias={"5": 1, "999999": 1})},
+        400,
+        "logit_bias must hold token ids in [0, 49152): 999999 is not in the vocabulary",
+    ),
     ("empty allowed_token_ids", COMPLETIONS, {"json": completion(allowed_token_ids=[])}, 400, "allowed_token_ids"),
     ("suffix", COMPLETIONS, {"json": completion(suffix="!")}, 400, "suffix: not supported"),
     ("best_of above n", COMPLETIONS, {"json": completion(best_of=3)}, 400, "best_of"),
@@ -152,7 +168,7 @@ def test_fuzzed_requests_never_get_a_server_error(server: LiveServer) -> None:
     for operation in operations:
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=examples(25))
         def no_server_error(case: Any) -> None:
             if isinstance(case.body, dict):
                 case.body["model"] = MODEL  # else nearly every case stops at 404: unknown model
@@ -162,3 +178,19 @@ def test_fuzzed_requests_never_get_a_server_error(server: LiveServer) -> None:
         no_server_error()
     free_slots, free_pages, pool_pages = server.pages_back_in_pool()
     assert free_slots == server.settings.engine_config.max_slots and free_pages == pool_pages
+
+
+def test_a_server_error_closes_its_connection_and_the_next_request_is_served(server: LiveServer) -> None:
+    """A 500 (a bug: here a route that raises) says `Connection: close`, so a pooled client
+    opens a new connection for its next request instead of losing it to a reset."""
+
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    server.app.add_api_route("/v1/broken", broken, methods=["GET"])
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for _ in range(2):
+            failed = client.get("/v1/broken")
+            assert failed.status_code == 500 and failed.headers["connection"] == "close"
+            assert failed.json()["error"]["type"] == "internal_error"
+            assert client.get("/v1/models").status_code == 200

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -27,6 +27,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from tests.fuzz import examples as fuzz_examples
 from vattn import KVCache, KVCacheConfig, OutOfPagesError, OutOfSlotsError
 from vattn.slot import Slot
 
@@ -303,9 +304,10 @@ class CacheMachine(RuleBasedStateMachine):
             for slot in slots:
                 pages = [page for step in slot.pages for page in step]
                 assert len(pages) == len(set(pages)), "a physical page is mapped twice in one slot"
-            cached = Counter(page for unit in cache._prefix.units() for step in unit.pages for page in step)
-            assert max(cached.values(), default=1) == 1, "a page is held by two prefix-cache entries"
-            references.update(cached)
+            # Two entries may hold one page: a child forked inside a unit of several pages shares
+            # the parent's whole pages before the fork point, and its unit, keyed by other tokens
+            # after it, is cached beside the parent's. Those pages hold the same KV for both.
+            references.update(page for unit in cache._prefix.units() for step in unit.pages for page in step)
             assert all(pool.refs(page) == count for page, count in references.items()), "a refcount is off"
             assert len(references) + pool.num_free == pool.capacity
             assert all(len(step) == config.num_buffers for slot in slots for step in slot.pages)
@@ -346,9 +348,7 @@ def run_machine(machine: type[CacheMachine], examples: int, steps: int, min_oper
     operations = 0
     run_state_machine_as_test(
         machine,
-        settings=settings(
-            max_examples=examples, stateful_step_count=steps, deadline=None, suppress_health_check=list(HealthCheck)
-        ),
+        settings=settings(max_examples=fuzz_examples(examples), stateful_step_count=steps),
     )
     assert operations >= min_operations, f"only {operations} operations ran"
 

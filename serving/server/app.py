@@ -31,7 +31,7 @@ def build_app(settings: ServerSettings) -> FastAPI:
 
         settings = replace(settings, engine_config=replace(settings.engine_config, model=str(ensure_default_model())))
     model_name = settings.model_name or Path(str(settings.engine_config.model)).name.removesuffix(".gguf")
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(settings.engine_config.max_context)
     engine = AsyncEngine(settings.engine_config, settings.max_pending, metrics)
 
     @asynccontextmanager

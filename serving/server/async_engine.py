@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -24,11 +24,13 @@ from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
-from serving.server.errors import NotReadyError, OverloadedError
+from serving.server.errors import NotReadyError, OverloadedError, request_failed
 from serving.server.metrics import ServerMetrics
 
 log = logging.getLogger("vattn.serve")
 T = TypeVar("T")
+GRAMMAR_SECONDS = 10.0
+"""Longest a request's grammar may take to compile (llguidance's own limits usually stop it first)."""
 
 
 @dataclass
@@ -68,6 +70,8 @@ class RequestGroup:
                 index, delta = item
                 if delta.finished:
                     self.unfinished.discard(delta.request_id)
+                if delta.error is not None:  # it ended alone; the group's other choices are aborted
+                    raise request_failed(delta.error)
                 yield index, delta
         finally:
             self.close()
@@ -103,10 +107,17 @@ class AsyncEngine:
         self._subscribers: dict[str, _Subscriber] = {}
         """Owned by the engine thread."""
         self._thread = threading.Thread(target=self._run, name="vattn-engine", daemon=True)
+        self._compiler = ThreadPoolExecutor(2, thread_name_prefix="vattn-grammar")
 
     @property
     def ready(self) -> bool:
         return self._engine is not None and not self._stopping and self._thread.is_alive()
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary (once loaded: routes check readiness first)."""
+        assert self._engine is not None
+        return self._engine.vocab_size
 
     @property
     def max_context(self) -> int:
@@ -127,6 +138,7 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join()
         self._loaded.set()
+        self._compiler.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------- event loop side
 
@@ -141,6 +153,7 @@ class AsyncEngine:
         arrival = time.monotonic()
         self.num_pending += len(prompts)
         try:
+            await self._compile_grammars(params)
             ids = await asyncio.wrap_future(
                 self.call(lambda engine: self._add_group(engine, prompts, params, group, loop, arrival))
             )
@@ -148,6 +161,18 @@ class AsyncEngine:
             self.num_pending -= len(prompts)
             raise
         return RequestGroup(self, ids, group)
+
+    async def _compile_grammars(self, params: Sequence[SamplingParams]) -> None:
+        """Compiles the requests' grammars on the compiler threads, never the engine's, within
+        GRAMMAR_SECONDS each (ValueError past it): admission then finds them compiled."""
+        assert self._engine is not None
+        grammars, loop = self._engine.grammars, asyncio.get_running_loop()
+        for output in {p.structured_output for p in params if p.structured_output is not None}:
+            work = loop.run_in_executor(self._compiler, grammars.compile, output)
+            try:
+                await asyncio.wait_for(work, GRAMMAR_SECONDS)
+            except asyncio.TimeoutError:
+                raise ValueError(f"structured output: compiling it took over {GRAMMAR_SECONDS:g} s") from None
 
     def release_pending(self, count: int) -> None:
         """Gives back the places of `count` requests that have finished or been aborted."""

@@ -13,9 +13,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.request import RequestError
+
 log = logging.getLogger("vattn.serve")
 RETRY_AFTER_SECONDS = 1
 """What 429 and 503 answers tell clients to wait before trying again."""
+CLOSE = {"Connection": "close"}
+"""On a 500: the exception that caused it ends the connection once the answer is sent (Starlette
+re-raises it to the server), so the answer says the connection will not be kept."""
 
 
 class NotReadyError(Exception):
@@ -32,6 +37,14 @@ class APIError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
+def request_failed(error: RequestError) -> APIError:
+    """A request the engine ended with an error: 400 when its own controls contradict each
+    other, 500 when the server failed it (the other requests went on either way)."""
+    if error.internal:
+        return APIError(500, error.message, "internal_error")
+    return APIError(400, error.message)
+
+
 def error_body(message: str, kind: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -46,6 +59,8 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status in (429, 503) else None
+        if error.status >= 500 and error.status != 503:
+            headers = CLOSE  # after a failure of its own the server drops the connection, and says so
         return error_response(error.status, error.message, error.kind, error.param, headers)
 
     @app.exception_handler(NotReadyError)
@@ -76,4 +91,4 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal(request: Request, error: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
-        return error_response(500, "internal server error", "internal_error")
+        return error_response(500, "internal server error", "internal_error", headers=CLOSE)

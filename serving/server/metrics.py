@@ -7,7 +7,7 @@ iteration, so a scrape never reaches into the engine while it runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -18,6 +18,17 @@ from serving.engine import EngineStats
 from serving.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920, 7680)
+"""vLLM's buckets for a request's phases (request_inference_time_seconds)."""
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+"""vLLM's buckets for iteration_tokens_total."""
+N_BUCKETS = (1, 2, 5, 10, 20)
+"""vLLM's buckets for request_params_n."""
+
+
+def buckets_1_2_5(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit`: vLLM's buckets for token counts of a request."""
+    return [value for exponent in range(len(str(limit))) for m in (1, 2, 5) if (value := m * 10**exponent) <= limit]
 
 
 class Twins:
@@ -37,11 +48,11 @@ class Twins:
 
 
 class ServerMetrics(Collector):
-    def __init__(self) -> None:
+    def __init__(self, max_model_len: int) -> None:
         self.registry = registry = CollectorRegistry()
 
-        def histogram(name: str, doc: str) -> Twins:
-            return Twins(Histogram, name, doc, buckets=LATENCY_BUCKETS, registry=registry)
+        def histogram(name: str, doc: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> Twins:
+            return Twins(Histogram, name, doc, buckets=buckets, registry=registry)
 
         self.prompt_tokens = Twins(Counter, "prompt_tokens", "Prompt tokens accepted.", registry=registry)
         self.generation_tokens = Twins(Counter, "generation_tokens", "Tokens generated.", registry=registry)
@@ -54,13 +65,33 @@ class ServerMetrics(Collector):
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to the first KV slot.")
         self.prefill_time = histogram("request_prefill_time_seconds", "First KV slot to the first token.")
         self.decode_time = histogram("request_decode_time_seconds", "First token to the last.")
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "First KV slot to the last token.", REQUEST_LATENCY_BUCKETS
+        )
+        tokens = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of each request.", tokens)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Tokens each finished request generated.", tokens
+        )
+        self.params_n = histogram("request_params_n", "The n of each prompt's request.", N_BUCKETS)
+        self.params_max_tokens = histogram("request_params_max_tokens", "Each request's max_tokens.", tokens)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens computed by each engine iteration.", ITERATION_TOKEN_BUCKETS
+        )
         self._snapshot: EngineStats | None = None
         self.registry.register(self)
 
     # ------------------------------------------------------------- engine thread
 
     def update(self, stats: EngineStats) -> None:
+        if self._snapshot is not None and stats.iterations > self._snapshot.iterations:
+            self.iteration_tokens.observe(stats.last_iteration_tokens)
         self._snapshot = stats
+
+    def observe_request(self, n: int, max_tokens: int) -> None:
+        """A prompt's request was accepted, with `n` choices of at most `max_tokens` tokens."""
+        self.params_n.observe(n)
+        self.params_max_tokens.observe(max_tokens)
 
     def observe_prompts(self, tokens: int) -> None:
         self.prompt_tokens.inc(tokens)
@@ -77,7 +108,13 @@ class ServerMetrics(Collector):
         """A request ended; `output` (None when aborted) has its phases."""
         self.e2e.observe(now - arrival)
         self.finished.inc(finished_reason=reason or "unknown")
-        if output is not None and output.queue_time is not None and output.ttft is not None:
+        if output is None:
+            return
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(len(output.token_ids))
+        if output.queue_time is not None and output.latency is not None:
+            self.inference_time.observe(output.latency - output.queue_time)
+        if output.queue_time is not None and output.ttft is not None:
             self.queue_time.observe(output.queue_time)
             self.prefill_time.observe(output.ttft - output.queue_time)
             if output.latency is not None:

@@ -114,6 +114,9 @@ class SamplingFields(OpenAIBody):
     structured_outputs: StructuredOutputsFields | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    cache_salt: str | None = Field(
+        None, description="vLLM's: prefix-cached KV is shared only among requests with the same salt"
+    )
 
     @model_validator(mode="before")
     @classmethod

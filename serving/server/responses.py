@@ -11,7 +11,7 @@ from typing import Any
 
 from serving.request import TokenLogprob
 from serving.server.async_engine import RequestGroup
-from serving.server.errors import NotReadyError, error_body
+from serving.server.errors import APIError, NotReadyError, error_body
 from serving.server.protocol import new_id, now, usage
 
 log = logging.getLogger("vattn.serve")
@@ -200,6 +200,8 @@ async def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
             yield f"data: {json.dumps(event)}\n\n"
     except NotReadyError as error:  # headers are sent: errors travel as an event
         yield f"data: {json.dumps(error_body(str(error), 'service_unavailable', code=503))}\n\n"
+    except APIError as error:  # the request ended with an error of its own
+        yield f"data: {json.dumps(error_body(error.message, error.kind, error.param, error.status))}\n\n"
     except Exception:
         log.exception("a stream failed")
         yield f"data: {json.dumps(error_body('internal server error', 'internal_error', code=500))}\n\n"

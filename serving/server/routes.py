@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
 from serving.chat_template import chat_prompt_ids
-from serving.request import generation_room, prompt_token_ids
+from serving.request import check_prompt_ids, generation_room, prompt_token_ids
 from serving.sampling_params import SamplingParams
 from serving.server.async_engine import AsyncEngine, RequestGroup
 from serving.server.errors import APIError, NotReadyError, error_response
@@ -141,9 +141,12 @@ def _completion_prompts(
     if len(prompt) * n > MAX_N:
         raise APIError(400, f"{len(prompt)} prompts x n={n} choices is over the limit of {MAX_N}", param="n")
     try:
-        return [prompt_token_ids(engine.tokenizer, p, add_special_tokens)[1] for p in prompt]
+        ids = [prompt_token_ids(engine.tokenizer, p, add_special_tokens)[1] for p in prompt]
+        for prompt_ids in ids:
+            check_prompt_ids(prompt_ids, engine.vocab_size)  # before an echo decodes them
     except ValueError as error:
         raise APIError(400, str(error), param="prompt") from error
+    return ids
 
 
 def _sampling_params(
@@ -190,6 +193,7 @@ def _sampling_params(
                 logit_bias=_logit_bias(body.logit_bias),
                 allowed_token_ids=body.allowed_token_ids,
                 structured_output=structured,
+                cache_salt=body.cache_salt,
             )
             for i in range(body.n)
         ]
@@ -202,10 +206,14 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias keys are token ids written as strings."""
     if bias is None:
         return None
-    try:
-        return {int(token): value for token, value in bias.items()}
-    except ValueError as error:
-        raise APIError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from error
+    parsed = {}
+    for token, value in bias.items():
+        try:
+            parsed[int(token)] = value
+        except ValueError as error:
+            message = f"logit_bias keys must be token ids (integers as strings): {token!r} is not one"
+            raise APIError(400, message, param="logit_bias") from error
+    return parsed
 
 
 def _structured_output(body: SamplingFields) -> StructuredOutput | None:
@@ -268,6 +276,8 @@ async def _respond(
     """Submits every choice of every prompt (choice index: prompt * n + j), then streams or collects."""
     flat_prompts = [prompt for prompt, choices in zip(prompts, params, strict=True) for _ in choices]
     group = await _submit(engine, body, flat_prompts, [p for choices in params for p in choices])
+    for choices in params:  # one request per prompt, as vLLM counts them
+        engine.metrics.observe_request(len(choices), choices[0].max_tokens)
     if body.stream:
         options = body.stream_options
         include_usage = bool(options and options.include_usage)
