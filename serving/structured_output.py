@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
@@ -117,34 +118,39 @@ def mask_disallowed(logits: Tensor, rows: list[int], matchers: list[Any]) -> dic
     """Sets to -inf, in place, every logit of row `rows[i]` that matcher i does not allow next.
     Returns the matchers that failed (a limit reached, an error state), by index, with why:
     their rows allow nothing."""
-    import llguidance.torch
-
     failures: dict[int, str] = {}
-    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[1])
+    bitmask = torch.full((len(rows), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
     for index, matcher in enumerate(matchers):
         try:
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, index)
+            _fill(matcher, bitmask[index])
         except Exception as error:  # llguidance raises only on misuse; keep it to this request
             failures[index] = str(error)
         if index not in failures and matcher.is_error():
             failures[index] = matcher.get_error()
         if index in failures:
             bitmask[index] = 0
-    constrained = logits[rows]
-    llguidance.torch.apply_token_bitmask_inplace(constrained, bitmask)
-    logits[rows] = constrained
+    logits[rows] = logits[rows].masked_fill(~_unpack(bitmask, logits.shape[1]), float("-inf"))
     return failures
 
 
 def allowed_next(matcher: Any, vocab_size: int) -> Tensor:
     """`[vocab_size]` bools: the tokens the matcher allows next."""
-    import llguidance.torch
-    import torch
+    bitmask = torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    _fill(matcher, bitmask[0])
+    return _unpack(bitmask, vocab_size)[0]
 
-    bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
-    llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
-    bits = (bitmask[0, :, None] >> torch.arange(32, dtype=bitmask.dtype)) & 1
-    return bits.flatten()[:vocab_size].bool()
+
+def _fill(matcher: Any, words: Tensor) -> None:
+    """Writes the matcher's next-token bitmask into `words`, a contiguous int32 CPU row."""
+    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+
+
+def _unpack(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """llguidance's `[rows, words]` int32 bitmask (bit b of word w: token 32w + b) as `[rows,
+    vocab_size]` bools. Not llguidance.torch's functions: its apply is torch.compile'd, and
+    its first call compiled C++ for ~20 s on the engine thread, stalling every stream."""
+    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten(1)[:, :vocab_size].bool()
 
 
 class GrammarError(Exception):

@@ -261,6 +261,7 @@ class AsyncEngine:
         finally:
             self._fail_all(engine, NotReadyError("the server is stopping"))
             engine.close()
+            self._engine = None  # the model goes now, whoever still holds this object (FastAPI caches routes)
 
     def _run_commands(self) -> None:
         while True:
