@@ -1,4 +1,4 @@
-"""Shared helpers: where results go, machine facts, CSV/JSON writers, tables, percentiles."""
+"""Shared helpers: where results go, machine facts, CSV/JSON writers, tables, percentiles, a local server."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ import mmap
 import os
 import platform
 import shlex
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
 
@@ -250,3 +253,33 @@ def prewarm_memory(nbytes: int, chunk: int = 64 * MiB) -> dict[str, Any]:
         "max_chunk_gbps": float(max(rates)),
         "chunk_gbps": [round(r, 3) for r in rates],
     }
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on (for a server started next)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def local_server(serve_args: str = "") -> Iterator[str]:
+    """`vattn serve` with these options in a subprocess on a free port, once it answers /health."""
+    port = free_port()
+    command = [sys.executable, "-m", "serving.server.cli", "serve", "--port", str(port), *serve_args.split()]
+    process = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert process.poll() is None, "vattn serve exited"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(60)

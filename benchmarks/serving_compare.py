@@ -45,12 +45,13 @@ from benchmarks._common import (
     RESULTS_DIR,
     CpuShare,
     command_line,
+    free_port,
     machine_facts,
     print_table,
     save_figure,
     write_results,
 )
-from benchmarks.serving_load import Timing, free_port, make_prompts, one_request, summarize
+from benchmarks.serving_load import Timing, make_prompts, one_request, summarize
 from serving.model_store import DEFAULT_MODEL, cache_dir, default_model_dir
 from vattn.sizes import MiB
 

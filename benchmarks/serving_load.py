@@ -16,18 +16,14 @@ import argparse
 import asyncio
 import math
 import random
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-import httpx
 import matplotlib
 import openai
 from tqdm import tqdm
@@ -36,6 +32,7 @@ from benchmarks._common import (
     RESULTS_DIR,
     CpuShare,
     command_line,
+    local_server,
     machine_facts,
     percentiles,
     print_table,
@@ -157,36 +154,6 @@ def summarize(timings: Sequence[Timing], elapsed: float) -> dict[str, Any]:
     }
 
 
-def free_port() -> int:
-    """A loopback TCP port nobody listens on (for a server started next)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextmanager
-def local_server(args: argparse.Namespace) -> Iterator[str]:
-    """`vattn serve` in a subprocess on a free port, until it answers /health."""
-    port = free_port()
-    command = [sys.executable, "-m", "serving.server.cli", "serve", "--port", str(port), *args.serve_args.split()]
-    process = subprocess.Popen(command)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert process.poll() is None, "vattn serve exited"
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(60)
-
-
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     labels = [str(row["request_rate"]) for row in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
@@ -221,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     prompts = make_prompts(args.requests, args.shortest, args.longest, args.seed)
     rows = []
-    with local_server(args) if args.url is None else nullcontext(args.url) as url:
+    with local_server(args.serve_args) if args.url is None else nullcontext(args.url) as url:
         for rate in (float(r) for r in args.rates.split(",")):
             rows.append(asyncio.run(run_rate(url, args.model, prompts, rate, args)))
             payload = {"command": command_line(), "machine": machine_facts(), "settings": vars(args), "rows": rows}

@@ -59,8 +59,8 @@ class GrammarCompiler:
 
     `compile` may run on any thread (the server runs it off the engine thread: llguidance
     drops the GIL while it builds), and llguidance's parser limits bound the work a grammar
-    can cost, at compile time and at every token. The llguidance tokenizer is built on first
-    use (~0.5 s)."""
+    can cost, at compile time and at every token. The llguidance tokenizer is built by `prepare`
+    or on first use (~0.5 s)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self._hf_tokenizer, self.vocab_size = tokenizer, vocab_size
@@ -82,6 +82,12 @@ class GrammarCompiler:
             while len(self._compiled) > COMPILED_KEPT:
                 self._compiled.popitem(last=False)
         return compiled
+
+    def prepare(self) -> None:
+        """Builds the llguidance tokenizer now (~0.5 s of Python), rather than in the first
+        structured request, where it competes with the engine thread for the GIL."""
+        with self._lock:
+            self._llg_tokenizer()
 
     def matcher(self, output: StructuredOutput) -> Any:
         """A fresh matcher for one request (a copy of the compiled one)."""

@@ -235,6 +235,7 @@ class AsyncEngine:
             self.tokenizer = copy.deepcopy(engine.tokenizer)
             self.metrics.update(engine.stats())
             self._engine = engine
+            self._compiler.submit(engine.grammars.prepare)
         except BaseException as error:
             self.load_error = error
             log.error("the model failed to load: %s", error)
