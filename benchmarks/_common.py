@@ -77,6 +77,19 @@ def _cpu_model() -> str | None:
     return None
 
 
+def _cpu_flags() -> list[str]:
+    """The CPU's SIMD flags that decide which kernels are fast here (AVX2, AVX-512 and its
+    VNNI/BF16, AMX, FMA)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                return sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
+    except OSError:
+        pass
+    return []
+
+
 def _mem_total_bytes() -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -88,7 +101,7 @@ def _mem_total_bytes() -> int | None:
 
 
 def machine_facts() -> dict[str, Any]:
-    """os.uname(), core counts, memory, versions and the run's date."""
+    """os.uname(), core counts, CPU flags, memory, versions and the run's date."""
     uname = os.uname()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -102,6 +115,7 @@ def machine_facts() -> dict[str, Any]:
         "nproc": len(os.sched_getaffinity(0)),
         "cpu_count": os.cpu_count(),
         "cpu_model": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
         "mem_total_bytes": _mem_total_bytes(),
         "page_size_os": os.sysconf("SC_PAGE_SIZE"),
         "max_map_count": int(Path("/proc/sys/vm/max_map_count").read_text()),

@@ -85,15 +85,13 @@ class SamplingError(Exception):
 def _controls(request: Request) -> str:
     """The request's controls that can rule tokens out, for the error message."""
     params = request.params
-    names = [
-        "structured output" if request.matcher is not None else "",
-        "allowed_token_ids" if params.allowed_token_ids is not None else "",
-        f"min_tokens={params.min_tokens} (no EOS or stop token yet)"
-        if len(request.output_ids) < params.min_tokens
-        else "",
-        "logit_bias" if params.logit_bias else "",
-    ]
-    return ", ".join(name for name in names if name) or "none: the model's logits are not finite"
+    controls = {
+        "structured output": request.matcher is not None,
+        "allowed_token_ids": params.allowed_token_ids is not None,
+        f"min_tokens={params.min_tokens} (no EOS or stop token yet)": len(request.output_ids) < params.min_tokens,
+        "logit_bias": bool(params.logit_bias),
+    }
+    return ", ".join(name for name, used in controls.items() if used) or "none: the model's logits are not finite"
 
 
 def _constrain(logits: Tensor, requests: list[Request], eos_token_ids: Collection[int]) -> dict[int, SamplingError]:

@@ -39,6 +39,12 @@ POISON = [
         400,
         "no token satisfies",
     ),
+    (
+        "two choices, both running out of tokens",
+        {"guided_regex": "hi(x)*", "allowed_token_ids": [HI, EOS], "min_tokens": 3, "max_tokens": 6, "n": 2},
+        400,
+        "no token satisfies",
+    ),
     ("an echoed negative token id", {"prompt": [-1], "echo": True}, 400, "got -1"),
     ("an echoed token id past 64 bits", {"prompt": [2**70], "echo": True, "logprobs": 1}, 400, "token ids"),
     ("a logit_bias id past the vocabulary", {"logit_bias": {"49152": 5}}, 400, "49152 is not in the vocabulary"),

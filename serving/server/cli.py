@@ -107,6 +107,12 @@ def parser() -> argparse.ArgumentParser:
         "--max-batched-tokens", type=positive, default=defaults.max_batched_tokens, help="tokens per iteration"
     )
     serve.add_argument(
+        "--reserve-tokens",
+        type=int,
+        default=defaults.reserve_tokens,
+        help="output tokens of every running request that admission keeps KV room for",
+    )
+    serve.add_argument(
         "--kv-budget", type=size, default=size_label(defaults.kv_budget), help="physical bytes for the KV cache"
     )
     serve.add_argument(
