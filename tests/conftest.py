@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from tests.fuzz import register_profiles
+from tests.process_memory import release_memory
 from vattn import KVCache, KVCacheConfig
 
 register_profiles()
@@ -36,3 +37,10 @@ def make_cache(native: bool) -> Iterator[Callable[..., KVCache]]:
     yield make
     for cache in caches:
         cache.close()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _give_memory_back() -> Iterator[None]:
+    """After each module, what its engines left behind goes back to the OS."""
+    yield
+    release_memory()

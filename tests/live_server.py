@@ -19,6 +19,7 @@ from serving.server.app import build_app
 from serving.server.async_engine import AsyncEngine
 from serving.server.connections import uvicorn_options
 from serving.server.settings import ServerSettings
+from tests.process_memory import release_memory
 from vattn.sizes import MiB
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -80,3 +81,4 @@ def live_server(wait_ready: bool = True, **overrides: Any) -> Iterator[LiveServe
         server.should_exit = True
         thread.join(30)
         sock.close()
+        release_memory()  # the stopped engine dropped its model
