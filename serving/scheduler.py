@@ -102,11 +102,9 @@ class Scheduler:
             if slot is None:
                 break
             # prompt logprobs need the prompt's logits: computed, not found in the cache
-            request.num_computed = (
-                0
-                if request.wants_prompt_logprobs
-                else self.kv.reuse_prefix(slot, request.all_ids, request.params.cache_salt)
-            )
+            reuse = not request.wants_prompt_logprobs
+            salt = request.params.cache_salt
+            request.num_computed = self.kv.reuse_prefix(slot, request.all_ids, salt) if reuse else 0
             if request.cached_tokens is None:  # what usage reports: the first admission's
                 request.cached_tokens = min(request.num_computed, len(request.prompt_ids))
             budget -= self._start(request, slot, budget, plan)

@@ -93,6 +93,18 @@ def test_preemption_keeps_outputs_and_returns_every_page(hf_greedy: list[list[in
         small.close()
 
 
+def test_admission_keeps_room_for_output_so_a_tight_budget_does_not_preempt(hf_greedy: list[list[int]]) -> None:
+    """The budget above with the default admission (each request's prompt and output reserved):
+    requests wait for room instead of evicting each other (admitting on the first chunk, as
+    before, preempted here)."""
+    small = LLM(**{**ENGINE, "kv_budget": 8 << 20, "max_context": 160, "page_size": 16 << 10})
+    try:
+        assert run_staggered(small, PROMPTS, GREEDY) == hf_greedy
+        assert small.engine.stats().preemptions == 0
+    finally:
+        small.close()
+
+
 def test_the_paged_cache_gives_the_same_greedy_tokens(llm: LLM, hf_greedy: list[list[int]]) -> None:
     """The A/B the paper needs: the engine on the block-table baseline, unchanged otherwise,
     with blocks of 7 tokens (not a divisor of anything) and a budget small enough to preempt

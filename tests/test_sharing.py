@@ -172,3 +172,32 @@ def test_a_cache_salt_keeps_tenants_apart(make_cache: MakeCache) -> None:
     assert found == [0, 0, 3 * unit, 3 * unit]
     with pytest.raises(ValueError, match="non-empty string"):
         cache.match_prefix(cache.alloc_reqid(), prompt, salt="")
+
+
+def test_a_child_forked_inside_a_unit_caches_its_unit_beside_its_parents(make_cache: MakeCache) -> None:
+    """Found by a random run of the stateful test: a fork at 50 tokens shares the two whole
+    pages of the 3-page unit and copies the third; parent and child then end the unit with
+    other tokens, so two entries hold those two pages, each with its own KV after them."""
+    cache = make_cache(**ODD)
+    prefix = list(range(300, 350))
+    parent = cache.alloc_reqid()
+    write(cache, parent, prefix)
+    child = cache.fork_reqid(parent)
+    mine, theirs = [*prefix, *range(14)], [*prefix, *range(100, 114)]  # one unit each, 64 tokens
+    write(cache, parent, mine, start=50)
+    write(cache, child, theirs, start=50)
+    cache.cache_prefix(parent, mine)
+    cache.cache_prefix(child, theirs)
+    parent_pages, child_pages = cache.page_table(parent), cache.page_table(child)
+    assert child_pages[:2] == parent_pages[:2] and child_pages[2] != parent_pages[2]
+    expected = {tuple(mine): snapshot(cache, parent, 64), tuple(theirs): snapshot(cache, child, 64)}
+    cache.free_reqid(parent)
+    cache.free_reqid(child)
+    for tokens, kv in expected.items():
+        reader = cache.alloc_reqid()
+        assert cache.match_prefix(reader, [*tokens, 7]) == 64
+        assert all(torch.equal(a, b) for a, b in zip(snapshot(cache, reader, 64), kv, strict=True))
+        cache.free_reqid(reader)
+    cache.release_idle()
+    cache.evict_prefix_cache()
+    assert cache.num_free_pages() == cache.stats().pool_pages
