@@ -19,7 +19,7 @@ FUZZ_SCALE = 20
 def register_profiles() -> None:
     common = {"deadline": None, "suppress_health_check": list(HealthCheck), "database": None}
     settings.register_profile("ci", derandomize=True, **common)
-    settings.register_profile("fuzz", derandomize=False, print_blob=True, **common)
+    settings.register_profile("fuzz", derandomize=False, print_blob=True, max_examples=100 * FUZZ_SCALE, **common)
     settings.load_profile("fuzz" if FUZZING else "ci")
 
 
