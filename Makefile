@@ -65,7 +65,7 @@ test: setup
 FUZZ_TESTS := tests/test_stateful.py tests/test_server_errors.py::test_fuzzed_requests_never_get_a_server_error \
 	tests/test_server_hardening.py::test_the_windowed_search_finds_what_a_whole_text_search_does
 fuzz: setup
-	VATTN_FUZZ=1 $(PY) -m pytest -q $(FUZZ_TESTS)
+	VATTN_FUZZ=1 $(PY) -m pytest -q --timeout=3600 -o faulthandler_timeout=0 $(FUZZ_TESTS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
