@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -27,6 +28,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from tests.fuzz import FUZZING
 from tests.fuzz import examples as fuzz_examples
 from vattn import KVCache, KVCacheConfig, OutOfPagesError, OutOfSlotsError
 from vattn.slot import Slot
@@ -355,3 +357,11 @@ def run_machine(machine: type[CacheMachine], examples: int, steps: int, min_oper
 
 def test_random_operations_keep_the_invariants() -> None:
     run_machine(CacheMachine, examples=100, steps=60, min_operations=2000)
+
+
+@pytest.mark.skipif(FUZZING, reason="make fuzz draws new cases on purpose")
+def test_property_tests_draw_the_same_cases_every_run() -> None:
+    """make test's hypothesis profile: derandomized (cases follow from each test) and no example
+    database, so a commit's result never depends on the run."""
+    current = settings()
+    assert current.derandomize and current.database is None
