@@ -11,9 +11,10 @@ import bisect
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -195,7 +196,8 @@ class LLMEngine:
         sampled, sample_rows, first = [], [], 0
         for request, start, count, wanted in zip(requests, starts, rows, samples, strict=True):
             if request.wants_prompt_logprobs:
-                self._isolated(request, self._record_prompt_logprobs, request, start, logits[first : first + count])
+                with self._alone(request):
+                    self._record_prompt_logprobs(request, start, logits[first : first + count])
             if wanted and not request.finished:
                 sampled.append(request)
                 sample_rows.append(first + count - 1)
@@ -204,13 +206,15 @@ class LLMEngine:
         for request, choice in zip(sampled, choices, strict=True):
             if isinstance(choice, SamplingError):
                 self._fail(request, RequestError(str(choice)))
-            else:
-                self._isolated(request, self._append, request, *choice)
+                continue
+            with self._alone(request):
+                self._append(request, *choice)
 
-    def _isolated(self, request: Request, work: Callable[..., None], *args: Any) -> None:
-        """Runs one request's own processing; whatever it raises ends that request alone."""
+    @contextmanager
+    def _alone(self, request: Request) -> Iterator[None]:
+        """One request's own processing: whatever it raises ends that request alone."""
         try:
-            work(*args)
+            yield
         except GrammarError as error:
             self._fail(request, RequestError(str(error)))
         except Exception as error:
@@ -293,15 +297,10 @@ class LLMEngine:
 
     def _safe_delta(self, request: Request) -> StreamDelta | None:
         """The request's delta; if making it raises, the request ends alone with its error."""
-        try:
+        with self._alone(request):
             return self._delta(request)
-        except Exception as error:
-            log.exception("request %s failed; the others go on", request.request_id)
-            self._fail(request, RequestError(f"processing the request failed: {error!r}", internal=True))
-            request.finish_reported = True
-            return StreamDelta(
-                request.request_id, "", [], None, "error", request.cached_tokens or 0, None, request.error
-            )
+        request.finish_reported = True
+        return StreamDelta(request.request_id, "", [], None, "error", request.cached_tokens or 0, None, request.error)
 
     def _delta(self, request: Request) -> StreamDelta | None:
         """What `request` produced since its last delta; text that may begin a stop string waits."""

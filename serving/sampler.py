@@ -61,6 +61,8 @@ def sample(
 def check_satisfiable(params: SamplingParams, matcher: Any, eos_token_ids: Collection[int], vocab_size: int) -> None:
     """ValueError naming the field when the request's controls leave no first token possible
     (contradictions that show before it runs; later ones end the request with an error)."""
+    if params.allowed_token_ids is None and matcher is None:
+        return  # min_tokens alone bans a few ids of the vocabulary
     possible = torch.ones(vocab_size, dtype=torch.bool)
     if params.min_tokens:
         possible[[t for t in {*eos_token_ids, *params.stop_token_ids} if t < vocab_size]] = False
