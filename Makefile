@@ -12,12 +12,13 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 NATIVE := vattn/libvattn_native.so
 OPS := vattn/libvattn_ops.so
+FAKE_CUDA := build/libfakecuda.so
 
 .PHONY: setup native model serve test fuzz lint bench repro clean peers peer-vllm peer-llamacpp peer-hf
 
-# After the venv, the two libraries and the model are independent: built two at a time.
+# After the venv, the libraries and the model are independent: built two at a time.
 setup: $(STAMP)
-	$(MAKE) --no-print-directory -j2 model $(NATIVE) $(OPS)
+	$(MAKE) --no-print-directory -j2 model $(NATIVE) $(OPS) $(FAKE_CUDA)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,14 +26,19 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet -e ".[serving,dev]"
 	touch $@
 
-native: $(NATIVE) $(OPS)
+native: $(NATIVE) $(OPS) $(FAKE_CUDA)
 
 # The default model, converted once into $$VATTN_CACHE_DIR (default ~/.cache/vattn); a no-op after.
 model: $(STAMP)
 	$(PY) -m serving.model_store
 
 $(NATIVE): native/vattn_native.c
-	cc -O2 -Wall -Wextra -Werror -shared -fPIC -o $@ $< -ldl -lpthread
+	cc -O2 -Wall -Wextra -Werror -shared -fPIC -o $@ $< -ldl
+
+# The tests' stand-in for libcuda.so.1 (tests/fake_cuda): the C mapping path runs in CI on it.
+$(FAKE_CUDA): tests/fake_cuda/shim.c
+	mkdir -p build
+	cc -O2 -Wall -Wextra -Werror -shared -fPIC -o $@ $<
 
 # vattn's CPU torch operators, built against the venv's torch for this machine's CPU. Never
 # -ffast-math: linking it sets flush-to-zero for the whole process when the library loads.
@@ -81,7 +87,7 @@ repro: setup
 	$(PY) -m paper_repro
 
 clean:
-	rm -rf $(VENV) $(NATIVE) $(OPS) build/ops .pytest_cache
+	rm -rf $(VENV) $(NATIVE) $(OPS) $(FAKE_CUDA) build/ops .pytest_cache
 
 # Peer systems for benchmarks/serving_compare.py, each in its own venv under .peers/ (never in
 # .venv, never part of setup or test). torch is installed first and alone (the CPU wheel).

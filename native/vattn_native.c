@@ -60,13 +60,15 @@ long vattn_populate_pages(long count, const uint64_t *addrs, uint64_t page_size,
 /* ------------------------------------------------------------------------------------
  * Batched page mapping for the CUDA backend.
  *
- * libcuda is loaded at run time and the few entry points are declared here, so the
- * library builds (and the host functions above work) on machines with no CUDA at all.
- * CUresult codes come back through *err; 0 is CUDA_SUCCESS.
+ * The driver library is opened at run time and the few entry points are declared here, so
+ * this library builds (and the host functions above work) on machines with no CUDA at all.
+ * Each vattn_cuda_open returns its own table of entry points, so one process can hold the
+ * real libcuda and a stand-in (the tests' fake driver) side by side. CUresult codes come
+ * back through *err; 0 is CUDA_SUCCESS.
  */
 #include <dlfcn.h>
-#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 typedef int cu_result;
 typedef unsigned long long cu_deviceptr;
@@ -82,65 +84,77 @@ typedef struct {
 
 enum { CU_LOCATION_DEVICE = 1, CU_ACCESS_READ_WRITE = 3 };
 
-static cu_result (*cu_ctx_set_current)(void *ctx);
-static cu_result (*cu_mem_map)(cu_deviceptr, size_t, size_t, cu_handle, unsigned long long);
-static cu_result (*cu_mem_set_access)(cu_deviceptr, size_t, const cu_access_desc *, size_t);
-static cu_result (*cu_mem_unmap)(cu_deviceptr, size_t);
-static pthread_once_t cuda_once = PTHREAD_ONCE_INIT;
-static char cuda_error[512];
+typedef struct {
+    void *library;
+    cu_result (*ctx_set_current)(void *ctx);
+    cu_result (*ctx_synchronize)(void);
+    cu_result (*mem_map)(cu_deviceptr, size_t, size_t, cu_handle, unsigned long long);
+    cu_result (*mem_set_access)(cu_deviceptr, size_t, const cu_access_desc *, size_t);
+    cu_result (*mem_unmap)(cu_deviceptr, size_t);
+} cuda_api;
 
-static void *cuda_symbol(void *lib, const char *name) {
-    void *symbol = dlsym(lib, name);
-    if (!symbol && !cuda_error[0])
-        snprintf(cuda_error, sizeof cuda_error, "libcuda.so.1 has no %s", name);
-    return symbol;
+static int cuda_symbol(cuda_api *api, void **slot, const char *name, char *why, size_t why_size) {
+    *slot = dlsym(api->library, name);
+    if (!*slot) snprintf(why, why_size, "the driver library has no %s", name);
+    return *slot != NULL;
 }
 
-static void load_cuda(void) {
-    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-        snprintf(cuda_error, sizeof cuda_error, "%s", dlerror());
-        return;
+/* Opens the driver library at `path` (libcuda.so.1 in production); NULL with the reason
+ * in `why` when it cannot be loaded. */
+cuda_api *vattn_cuda_open(const char *path, char *why, size_t why_size) {
+    cuda_api *api = calloc(1, sizeof *api);
+    if (!api) {
+        snprintf(why, why_size, "out of memory");
+        return NULL;
     }
-    *(void **)&cu_ctx_set_current = cuda_symbol(lib, "cuCtxSetCurrent");
-    *(void **)&cu_mem_map = cuda_symbol(lib, "cuMemMap");
-    *(void **)&cu_mem_set_access = cuda_symbol(lib, "cuMemSetAccess");
-    *(void **)&cu_mem_unmap = cuda_symbol(lib, "cuMemUnmap");
+    api->library = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!api->library) {
+        snprintf(why, why_size, "%s", dlerror());
+        free(api);
+        return NULL;
+    }
+    if (cuda_symbol(api, (void **)&api->ctx_set_current, "cuCtxSetCurrent", why, why_size) &&
+        cuda_symbol(api, (void **)&api->ctx_synchronize, "cuCtxSynchronize", why, why_size) &&
+        cuda_symbol(api, (void **)&api->mem_map, "cuMemMap", why, why_size) &&
+        cuda_symbol(api, (void **)&api->mem_set_access, "cuMemSetAccess", why, why_size) &&
+        cuda_symbol(api, (void **)&api->mem_unmap, "cuMemUnmap", why, why_size))
+        return api;
+    dlclose(api->library);
+    free(api);
+    return NULL;
 }
 
-/* Loads libcuda once; NULL when ready, else why it is not. */
-const char *vattn_cuda_load(void) {
-    pthread_once(&cuda_once, load_cuda);
-    return cuda_error[0] ? cuda_error : NULL;
-}
-
-/* CUDA_ERROR_NOT_INITIALIZED (3) when libcuda is missing, else cuCtxSetCurrent's result. */
-static cu_result enter_context(void *ctx) {
-    return vattn_cuda_load() ? 3 : cu_ctx_set_current(ctx);
+void vattn_cuda_close(cuda_api *api) {
+    if (!api) return;
+    dlclose(api->library);
+    free(api);
 }
 
 /* Maps handles[i] read-write for `device` at addrs[i], in context `ctx` (made current
  * in the calling thread first, so the background thread needs no setup of its own).
  * A page whose access cannot be set is unmapped again before returning. */
-long vattn_cuda_map_pages(void *ctx, int device, long count, const uint64_t *addrs,
+long vattn_cuda_map_pages(const cuda_api *api, void *ctx, int device, long count, const uint64_t *addrs,
                           const uint64_t *handles, uint64_t page_size, int *err) {
-    if ((*err = enter_context(ctx)) != 0) return 0;
+    if ((*err = api->ctx_set_current(ctx)) != 0) return 0;
     cu_access_desc access = {{CU_LOCATION_DEVICE, device}, CU_ACCESS_READ_WRITE};
     for (long i = 0; i < count; i++) {
-        if ((*err = cu_mem_map(addrs[i], page_size, 0, handles[i], 0)) != 0) return i;
-        if ((*err = cu_mem_set_access(addrs[i], page_size, &access, 1)) != 0) {
-            cu_mem_unmap(addrs[i], page_size);
+        if ((*err = api->mem_map(addrs[i], page_size, 0, handles[i], 0)) != 0) return i;
+        if ((*err = api->mem_set_access(addrs[i], page_size, &access, 1)) != 0) {
+            api->mem_unmap(addrs[i], page_size);
             return i;
         }
     }
     return count;
 }
 
-/* Unmaps pages; the addresses go back to being bare reservation. */
-long vattn_cuda_unmap_pages(void *ctx, long count, const uint64_t *addrs, uint64_t page_size,
-                            int *err) {
-    if ((*err = enter_context(ctx)) != 0) return 0;
+/* Unmaps pages; the addresses go back to being bare reservation. With `drain`, first
+ * waits for all work queued in the context (a kernel may still read these pages: the
+ * driver does not promise that cuMemUnmap waits for it). */
+long vattn_cuda_unmap_pages(const cuda_api *api, void *ctx, int drain, long count, const uint64_t *addrs,
+                            uint64_t page_size, int *err) {
+    if ((*err = api->ctx_set_current(ctx)) != 0) return 0;
+    if (drain && (*err = api->ctx_synchronize()) != 0) return 0;
     for (long i = 0; i < count; i++)
-        if ((*err = cu_mem_unmap(addrs[i], page_size)) != 0) return i;
+        if ((*err = api->mem_unmap(addrs[i], page_size)) != 0) return i;
     return count;
 }

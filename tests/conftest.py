@@ -1,4 +1,5 @@
-"""Shared fixtures: every cache test runs through both the C library and ctypes."""
+"""Shared fixtures: every cache test runs through both the C library and the Python calls, on
+the host backend and on the CUDA backend over the fake driver (tests/fake_cuda)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ from typing import Any
 
 import pytest
 
+from tests.fake_cuda import FakeDriver, installed
 from tests.fuzz import register_profiles
 from tests.process_memory import release_memory
 from vattn import KVCache, KVCacheConfig
+from vattn.backends import VMMBackend
+from vattn.backends.cuda import CudaBackend
+from vattn.backends.host import HostBackend
 
 register_profiles()
 
@@ -22,21 +27,69 @@ def native(request: pytest.FixtureRequest) -> bool:
     return request.param
 
 
+@pytest.fixture(params=["host", "cuda"], ids=["host", "fakecuda"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture
-def make_cache(native: bool) -> Iterator[Callable[..., KVCache]]:
-    """Builds caches with SMALL_SHAPE defaults and the fixture's call path; closes them after."""
+def fake_cuda(backend: str) -> Iterator[FakeDriver | None]:
+    """For the cuda backend, a fake driver with the host's page granularity, checked for leaks
+    and contract violations at the end."""
+    if backend != "cuda":
+        yield None
+        return
+    with installed(FakeDriver(granularity=4096, memory=256 << 20)) as driver:
+        yield driver
+        release_memory()  # caches a test dropped (and their backends) go now, inside the fake
+    assert not driver.violations, driver.violations
+    assert not driver.leaks(), f"left behind: {driver.leaks()}"
+
+
+@pytest.fixture
+def make_vmm(native: bool, backend: str, fake_cuda: FakeDriver | None) -> Iterator[Callable[..., VMMBackend]]:
+    """Builds bare VMM backends with 4 KiB pages (the fixture's backend and call path); closes them after."""
+    backends: list[VMMBackend] = []
+
+    def make(max_pages: int, reservations: int, reservation_bytes: int) -> VMMBackend:
+        if backend == "host":
+            made: VMMBackend = HostBackend(4096, max_pages, reservations, reservation_bytes, native)
+        else:
+            made = CudaBackend(4096, max_pages, native)
+        backends.append(made)
+        return made
+
+    yield make
+    for made in backends:
+        made.close()
+
+
+@pytest.fixture
+def make_cache(native: bool, backend: str, fake_cuda: FakeDriver | None) -> Iterator[Callable[..., KVCache]]:
+    """Builds caches with SMALL_SHAPE defaults, the fixture's backend and call path; after the
+    test, checks that the background mapper never failed and closes them."""
     caches: list[KVCache] = []
+    python_calls = {"host": "ctypes", "cuda": "cuda-python"}[backend]
 
     def make(**overrides: Any) -> KVCache:
-        fields = {**SMALL_SHAPE, "max_slots": 8, "max_context": 1000, "page_size": 4096, "native": native}
+        fields = {
+            **SMALL_SHAPE,
+            "max_slots": 8,
+            "max_context": 1000,
+            "page_size": 4096,
+            "native": native,
+            "backend": backend,
+        }
         cache = KVCache(KVCacheConfig(**{**fields, **overrides}))
         caches.append(cache)
-        assert cache.backend.calls.name == ("native" if native else "ctypes")
+        assert cache.backend.calls.name == ("native" if native else python_calls)
         return cache
 
     yield make
     for cache in caches:
+        errors = cache.stats().background_errors
         cache.close()
+        assert errors == 0, "the background mapper failed (step() mapped synchronously instead)"
 
 
 @pytest.fixture(autouse=True, scope="module")

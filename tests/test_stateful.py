@@ -323,6 +323,7 @@ class CacheMachine(RuleBasedStateMachine):
                     writable = slot.pages[slot.shared_steps :]
                     assert all(pool.refs(page) == 1 for step in writable for page in step), "may write a shared page"
         stats = cache.stats()
+        assert stats.background_errors == 0, "the background mapper failed (step() mapped synchronously instead)"
         assert stats.mapped_bytes + stats.cached_bytes + stats.free_bytes == config.pool_pages * config.page_size
         used_tokens = sum(len(tokens) for tokens in self.tokens.values())
         assert stats.used_bytes == used_tokens * config.bytes_per_token * config.num_buffers

@@ -483,8 +483,12 @@ class KVCache:
 
     def _map_pages(self, addrs: list[int], pages: list[int]) -> None:
         """One batched map call of referenced pages; on failure their references are dropped,
-        but those of pages left mapped somewhere (never to be handed out again)."""
+        but those of pages left mapped somewhere (never to be handed out again). An address a
+        failed rollback left mapped is unmapped first (a GPU driver refuses to map over it)."""
         started = time.perf_counter()
+        if stale := [addr for addr in addrs if addr in self._stranded]:
+            self.backend.unmap(stale)
+            self._stranded[:] = [addr for addr in self._stranded if addr not in stale]
         try:
             self.backend.map(addrs, pages)
         except MapError as exc:

@@ -17,7 +17,7 @@ import torch
 
 from vattn.backends.base import MapError, VMMBackend
 from vattn.backends.cuda_calls import CudaCalls, select_cuda_calls
-from vattn.errors import OutOfPagesError, UnavailableError
+from vattn.errors import ConfigurationError, OutOfPagesError, UnavailableError
 
 
 def import_driver() -> ModuleType:
@@ -50,51 +50,89 @@ class _DeviceArray:
         self.owner = owner
 
 
+class TorchGpu:
+    """torch's side of the GPU the backend maps for: which device, tensors over its addresses,
+    and the memory torch's caching allocator holds."""
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise UnavailableError("the CUDA backend needs a GPU, and torch.cuda.is_available() is False here")
+        self.index = torch.cuda.current_device()
+        self.device = torch.device("cuda", self.index)
+
+    def tensor(self, addr: int, nbytes: int, owner: object) -> torch.Tensor:
+        """A uint8 tensor over device memory (torch asks the driver who owns `addr`: it must be mapped)."""
+        return torch.as_tensor(_DeviceArray(addr, nbytes, owner), device=self.device)
+
+    def cached_bytes(self) -> int:
+        """Device memory torch's caching allocator holds but does not use (cuMemGetInfo counts it as taken)."""
+        return torch.cuda.memory_reserved(self.index) - torch.cuda.memory_allocated(self.index)
+
+    def free_cached_memory(self) -> None:
+        torch.cuda.empty_cache()
+
+
 class CudaBackend(VMMBackend):
-    """Pages of device memory mapped into reservations of the GPU's virtual address space."""
+    """Pages of device memory mapped into reservations of the GPU's virtual address space.
+
+    Nothing is unmapped while GPU work may still read it: every unmap first waits for the work
+    queued in the context (a view or batch dies when Python lets go of it, not when the
+    kernels that read it finish). Pages are released and reservations freed only once unmapped.
+    """
 
     name = "cuda"
 
-    def __init__(self, page_size: int, max_pages: int, native: bool | None) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        max_pages: int,
+        native: bool | None,
+        driver: ModuleType | None = None,
+        gpu: TorchGpu | None = None,
+    ) -> None:
+        """`driver` and `gpu` default to cuda-python's driver module and torch's current GPU."""
         super().__init__()
-        self._driver = driver = import_driver()
-        if not torch.cuda.is_available():
-            raise UnavailableError("the CUDA backend needs a GPU, and torch.cuda.is_available() is False here")
-        index = torch.cuda.current_device()
-        self.device = torch.device("cuda", index)
+        self._closed = True  # until the context is retained
+        self._driver = driver = driver or import_driver()
+        self.gpu = gpu = gpu or TorchGpu()
+        self.device = gpu.device
         try:
             initialised = driver.cuInit(0)
         except Exception as exc:  # cuda-python raises its own error when libcuda cannot be found
             raise UnavailableError(f"the CUDA driver library cannot be loaded: {exc}") from exc
         self._check(initialised, "cuInit")
-        handle = self._check(driver.cuDeviceGet(index), "cuDeviceGet")
-        self._device_handle = handle
-        self._context = self._check(driver.cuDevicePrimaryCtxRetain(handle), "cuDevicePrimaryCtxRetain")
-        self._enter()
-        self._prop = driver.CUmemAllocationProp()
-        self._prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        self._prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        self._prop.location.id = index
-        granularity = self._check(
-            driver.cuMemGetAllocationGranularity(
-                self._prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-            ),
-            "cuMemGetAllocationGranularity",
-        )
-        self.granularity = int(granularity)
-        if page_size % self.granularity:
-            raise ValueError(f"page_size {page_size} must be a multiple of the CUDA granularity {self.granularity}")
-        free, _ = self._check(driver.cuMemGetInfo(), "cuMemGetInfo")
-        if max_pages * page_size > int(free):
-            raise ValueError(
-                f"the KV pool may grow to {max_pages * page_size} B but the GPU has {int(free)} B free: "
-                "set memory_budget to what the cache may use"
-            )
-        self.page_size = page_size
-        self.calls: CudaCalls = select_cuda_calls(native, driver, self._context, index)
+        self._device_handle = self._check(driver.cuDeviceGet(gpu.index), "cuDeviceGet")
+        self._context = self._check(driver.cuDevicePrimaryCtxRetain(self._device_handle), "cuDevicePrimaryCtxRetain")
+        self._closed = False
         self._probe_page: int | None = None
         self._live_pages = 0
-        self._closed = False
+        try:
+            self._enter()
+            self._prop = driver.CUmemAllocationProp()
+            self._prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            self._prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            self._prop.location.id = gpu.index
+            granularity = self._check(
+                driver.cuMemGetAllocationGranularity(
+                    self._prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+                ),
+                "cuMemGetAllocationGranularity",
+            )
+            self.granularity = int(granularity)
+            if page_size % self.granularity:
+                raise ValueError(f"page_size {page_size} must be a multiple of the CUDA granularity {self.granularity}")
+            free, _ = self._check(driver.cuMemGetInfo(), "cuMemGetInfo")
+            available = int(free) + gpu.cached_bytes()
+            if max_pages * page_size > available:
+                raise ConfigurationError(
+                    f"the KV pool may grow to {max_pages * page_size} B but the GPU has {available} B free: "
+                    "set memory_budget to what the cache may use"
+                )
+            self.page_size = page_size
+            self.calls: CudaCalls = select_cuda_calls(native, driver, self._context, gpu.index)
+        except BaseException:
+            self.close()
+            raise
 
     def _check(self, result: tuple[Any, ...], what: str) -> Any:
         """Raises CudaError unless `result` (a cuda-python return tuple) starts with CUDA_SUCCESS."""
@@ -104,22 +142,30 @@ class CudaBackend(VMMBackend):
         return values[0] if len(values) == 1 else tuple(values) or None
 
     def _enter(self) -> None:
-        """Makes the context current in the calling thread (the background mapper's too)."""
+        """Makes the context current in the calling thread (the background mapper's, the garbage
+        collector's): the driver's calls act on the calling thread's current context."""
         self._check(self._driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
 
     def reserve(self, nbytes: int) -> int:
+        self._enter()
         return int(self._check(self._driver.cuMemAddressReserve(nbytes, self.granularity, 0, 0), "cuMemAddressReserve"))
 
     def free_reservation(self, addr: int, nbytes: int, mapped: Sequence[int] = ()) -> None:
         self.unmap(mapped)
+        self._enter()
         self._check(self._driver.cuMemAddressFree(addr, nbytes), "cuMemAddressFree")
 
     def create_pages(self, count: int) -> list[int]:
-        """Creates pages; if the GPU runs out, releases this call's pages and raises OutOfPagesError."""
+        """Creates pages; if the GPU runs out even after torch gives back its cached memory,
+        releases this call's pages and raises OutOfPagesError."""
         self._enter()
         pages: list[int] = []
         for _ in range(count):
             err, handle = self._driver.cuMemCreate(self.page_size, self._prop, 0)
+            if err == self._driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY and self.gpu.cached_bytes() >= self.page_size:
+                self.gpu.free_cached_memory()
+                self._enter()  # empty_cache may have made the runtime's context current
+                err, handle = self._driver.cuMemCreate(self.page_size, self._prop, 0)
             if err == self._driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
                 self.release_pages(pages)
                 raise OutOfPagesError(count, len(pages))
@@ -131,6 +177,7 @@ class CudaBackend(VMMBackend):
         return pages
 
     def release_pages(self, pages: Sequence[int]) -> None:
+        """Releases pages mapped nowhere (so no GPU work can still read them: unmap drained it)."""
         self._enter()
         for page in pages:
             self._check(self._driver.cuMemRelease(page), "cuMemRelease")
@@ -139,12 +186,14 @@ class CudaBackend(VMMBackend):
     def map(self, addrs: Sequence[int], pages: Sequence[int]) -> None:
         done, err = self.calls.map_pages(addrs, pages, self.page_size)
         if done < len(addrs):
-            undone, _ = self.calls.unmap_pages(addrs[:done], self.page_size)
+            undone, _ = self.calls.unmap_pages(addrs[:done], self.page_size, drain=False)  # nothing read them yet
             message = str(CudaError(self._driver, f"mapping page {done} of {len(addrs)}", err))
             raise MapError(0, message, addrs[undone:done])
 
     def unmap(self, addrs: Sequence[int]) -> None:
-        done, err = self.calls.unmap_pages(addrs, self.page_size)
+        if not addrs:
+            return
+        done, err = self.calls.unmap_pages(addrs, self.page_size, drain=True)
         if done < len(addrs):
             raise CudaError(self._driver, f"unmapping page {done} of {len(addrs)}", err)
 
@@ -154,12 +203,12 @@ class CudaBackend(VMMBackend):
         # torch asks the driver which device owns a pointer (cudaPointerGetAttributes), and
         # the driver answers only for mapped memory: unless `mapped`, a probe page sits at `addr` meanwhile.
         if mapped:
-            return torch.as_tensor(_DeviceArray(addr, nbytes, owner), device=self.device).view(dtype)
+            return self.gpu.tensor(addr, nbytes, owner).view(dtype)
         if self._probe_page is None:
             (self._probe_page,) = self.create_pages(1)
         self.map([addr], [self._probe_page])
         try:
-            return torch.as_tensor(_DeviceArray(addr, nbytes, owner), device=self.device).view(dtype)
+            return self.gpu.tensor(addr, nbytes, owner).view(dtype)
         finally:
             self.unmap([addr])
 
@@ -172,7 +221,11 @@ class CudaBackend(VMMBackend):
         if self._closed or self.forked:  # a forked child cannot call the parent's CUDA context
             return
         self._closed = True
-        if self._probe_page is not None:
-            self.release_pages([self._probe_page])
-            self._probe_page = None
-        self._check(self._driver.cuDevicePrimaryCtxRelease(self._device_handle), "cuDevicePrimaryCtxRelease")
+        try:
+            if self._probe_page is not None:
+                self.release_pages([self._probe_page])
+                self._probe_page = None
+            if hasattr(self, "calls"):
+                self.calls.close()
+        finally:
+            self._check(self._driver.cuDevicePrimaryCtxRelease(self._device_handle), "cuDevicePrimaryCtxRelease")

@@ -2,7 +2,9 @@
 
 Both make the backend's context current in the calling thread first (so the background
 mapper needs no setup of its own) and report how many pages they finished plus the
-CUresult that stopped them, so the backend can roll a failed batch back exactly.
+CUresult that stopped them, so the backend can roll a failed batch back exactly. An unmap
+that `drain`s first waits for the work queued in the context (cuCtxSynchronize): the
+driver does not promise that cuMemUnmap waits for kernels that may still read the pages.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ class CudaCalls(Protocol):
 
     def map_pages(self, addrs: Sequence[int], handles: Sequence[int], page_size: int) -> tuple[int, int]: ...
 
-    def unmap_pages(self, addrs: Sequence[int], page_size: int) -> tuple[int, int]: ...
+    def unmap_pages(self, addrs: Sequence[int], page_size: int, drain: bool) -> tuple[int, int]: ...
+
+    def close(self) -> None: ...
+
+
+LIBCUDA = "libcuda.so.1"
+"""The driver library the C path opens."""
 
 
 class DriverCudaCalls:
@@ -53,9 +61,11 @@ class DriverCudaCalls:
                 return i, int(err)
         return len(addrs), 0
 
-    def unmap_pages(self, addrs: Sequence[int], page_size: int) -> tuple[int, int]:
+    def unmap_pages(self, addrs: Sequence[int], page_size: int, drain: bool) -> tuple[int, int]:
         driver = self._driver
         (err,) = driver.cuCtxSetCurrent(self._context)
+        if err == driver.CUresult.CUDA_SUCCESS and drain:
+            (err,) = driver.cuCtxSynchronize()
         if err != driver.CUresult.CUDA_SUCCESS:
             return 0, int(err)
         for i, addr in enumerate(addrs):
@@ -64,6 +74,9 @@ class DriverCudaCalls:
                 return i, int(err)
         return len(addrs), 0
 
+    def close(self) -> None:
+        pass
+
 
 class NativeCudaCalls:
     """One call into libvattn_native per batch, which calls libcuda with the GIL released."""
@@ -71,11 +84,14 @@ class NativeCudaCalls:
     name = "native"
 
     def __init__(self, lib: ctypes.CDLL, context_handle: int, device: int) -> None:
-        lib.vattn_cuda_load.restype = ctypes.c_char_p
-        lib.vattn_cuda_load.argtypes = []
+        lib.vattn_cuda_open.restype = ctypes.c_void_p
+        lib.vattn_cuda_open.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.vattn_cuda_close.restype = None
+        lib.vattn_cuda_close.argtypes = [ctypes.c_void_p]
         u64p, errp = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int)
         lib.vattn_cuda_map_pages.restype = ctypes.c_long
         lib.vattn_cuda_map_pages.argtypes = [
+            ctypes.c_void_p,
             ctypes.c_void_p,
             ctypes.c_int,
             ctypes.c_long,
@@ -85,10 +101,19 @@ class NativeCudaCalls:
             errp,
         ]
         lib.vattn_cuda_unmap_pages.restype = ctypes.c_long
-        lib.vattn_cuda_unmap_pages.argtypes = [ctypes.c_void_p, ctypes.c_long, u64p, ctypes.c_uint64, errp]
-        problem = lib.vattn_cuda_load()
-        if problem is not None:
-            raise UnavailableError(f"native CUDA mapping cannot load the driver library: {problem.decode()}")
+        lib.vattn_cuda_unmap_pages.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_long,
+            u64p,
+            ctypes.c_uint64,
+            errp,
+        ]
+        why = ctypes.create_string_buffer(512)
+        self._api = lib.vattn_cuda_open(LIBCUDA.encode(), why, len(why))
+        if not self._api:
+            raise UnavailableError(f"native CUDA mapping cannot load {LIBCUDA}: {why.value.decode()}")
         self._lib = lib
         self._context = context_handle
         self._device = device
@@ -96,6 +121,7 @@ class NativeCudaCalls:
     def map_pages(self, addrs: Sequence[int], handles: Sequence[int], page_size: int) -> tuple[int, int]:
         err = ctypes.c_int(0)
         done = self._lib.vattn_cuda_map_pages(
+            self._api,
             self._context,
             self._device,
             len(addrs),
@@ -106,12 +132,17 @@ class NativeCudaCalls:
         )
         return done, err.value
 
-    def unmap_pages(self, addrs: Sequence[int], page_size: int) -> tuple[int, int]:
+    def unmap_pages(self, addrs: Sequence[int], page_size: int, drain: bool) -> tuple[int, int]:
         err = ctypes.c_int(0)
         done = self._lib.vattn_cuda_unmap_pages(
-            self._context, len(addrs), u64_array(addrs), page_size, ctypes.byref(err)
+            self._api, self._context, drain, len(addrs), u64_array(addrs), page_size, ctypes.byref(err)
         )
         return done, err.value
+
+    def close(self) -> None:
+        if self._api:
+            self._lib.vattn_cuda_close(self._api)
+            self._api = None
 
 
 def select_cuda_calls(native: bool | None, driver: ModuleType, context: Any, device: int) -> CudaCalls:
