@@ -1,0 +1,80 @@
+"""Deliberately broken CUDA backends, to show the fake driver catches each mistake.
+
+A pytest plugin: `VATTN_BREAK=<name> pytest -p tests.fake_cuda.breakages ...` runs the tests
+with the backend broken as named; tests/test_fake_cuda_bites.py expects them to fail.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+
+from vattn.backends.base import MapError
+from vattn.backends.cuda import CudaBackend, CudaError
+from vattn.backends.cuda_calls import DriverCudaCalls
+
+original_map_pages = DriverCudaCalls.map_pages
+original_release = CudaBackend.release_pages
+original_calls_init = DriverCudaCalls.__init__
+
+
+def misaligned_map(self: DriverCudaCalls, addrs: Sequence[int], handles: Sequence[int], size: int) -> tuple[int, int]:
+    return original_map_pages(self, [addr + 2048 for addr in addrs], handles, size)
+
+
+def map_without_access(
+    self: DriverCudaCalls, addrs: Sequence[int], handles: Sequence[int], size: int
+) -> tuple[int, int]:
+    driver = self._driver
+    driver.cuCtxSetCurrent(self._context)
+    for i, (addr, handle) in enumerate(zip(addrs, handles, strict=True)):
+        (err,) = driver.cuMemMap(addr, size, 0, handle, 0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return i, int(err)
+    return len(addrs), 0
+
+
+def release_all_but_one(self: CudaBackend, pages: Sequence[int]) -> None:
+    original_release(self, pages[1:])
+
+
+class _NoContext:
+    """The driver, but making a context current does nothing (calls run with whatever the thread has)."""
+
+    def __init__(self, driver: Any) -> None:
+        self._driver = driver
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._driver, name)
+
+    def cuCtxSetCurrent(self, ctx: Any) -> tuple[Any]:
+        return (self._driver.CUresult.CUDA_SUCCESS,)
+
+
+def calls_without_context(self: DriverCudaCalls, driver: Any, context: Any, device: int) -> None:
+    """The context made current once, by the thread that builds the backend (a classic mistake)."""
+    original_calls_init(self, _NoContext(driver), context, device)
+    CudaBackend._enter = lambda backend: None  # type: ignore[method-assign]  # after the constructor's own
+
+
+def map_without_rollback(self: CudaBackend, addrs: Sequence[int], pages: Sequence[int]) -> None:
+    done, err = self.calls.map_pages(addrs, pages, self.page_size)
+    if done < len(addrs):
+        raise MapError(0, str(CudaError(self._driver, f"mapping page {done} of {len(addrs)}", err)), [])
+
+
+BREAKAGES: dict[str, tuple[type, str, Callable[..., Any]]] = {
+    "misaligned-map": (DriverCudaCalls, "map_pages", misaligned_map),
+    "no-set-access": (DriverCudaCalls, "map_pages", map_without_access),
+    "leaked-handle": (CudaBackend, "release_pages", release_all_but_one),
+    "no-context": (DriverCudaCalls, "__init__", calls_without_context),
+    "no-rollback": (CudaBackend, "map", map_without_rollback),
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    owner, name, broken = BREAKAGES[os.environ["VATTN_BREAK"]]
+    setattr(owner, name, broken)
