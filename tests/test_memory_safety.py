@@ -27,14 +27,23 @@ from vattn.backends.host import current_map_count
 
 def make(**overrides):
     fields = dict(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", max_slots=4,
-                  max_context=1000, page_size=4096)
+                  max_context=1000, page_size=4096, backend=BACKEND)
     return KVCache(KVCacheConfig(**{**fields, **overrides}))
 """
 
+ON_FAKE_CUDA = """
+from tests.fake_cuda import FakeDriver, installed
+FAKE = FakeDriver(granularity=4096, memory=256 << 20)
+INSTALLED = installed(FAKE)  # for the whole interpreter
+INSTALLED.__enter__()
+"""
 
-def run_isolated(body: str) -> str:
-    """Runs `body` after PRELUDE in a fresh interpreter; fails on a crash or a non-zero exit."""
-    code = PRELUDE + textwrap.dedent(body)
+
+def run_isolated(body: str, backend: str = "host") -> str:
+    """Runs `body` after PRELUDE in a fresh interpreter (on the fake CUDA driver for "cuda");
+    fails on a crash or a non-zero exit."""
+    setup = f"BACKEND = {backend!r}\n" + (ON_FAKE_CUDA if backend == "cuda" else "")
+    code = setup + PRELUDE + textwrap.dedent(body)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done.stdout
@@ -81,8 +90,9 @@ def test_views_stay_mapped_through_release_idle_and_reclamation(make_cache: Make
     assert cache.stats().idle_bytes == 0
 
 
-def test_views_outlive_close_and_are_freed_with_their_last_tensor() -> None:
-    run_isolated("""
+def test_views_outlive_close_and_are_freed_with_their_last_tensor(backend: str) -> None:
+    run_isolated(
+        """
         def scenario():
             cache = make()
             a = cache.alloc_reqid()
@@ -101,11 +111,14 @@ def test_views_outlive_close_and_are_freed_with_their_last_tensor() -> None:
         maps, fds = current_map_count(), len(os.listdir("/proc/self/fd"))
         scenario()
         assert current_map_count() == maps and len(os.listdir("/proc/self/fd")) == fds
-    """)
+    """,
+        backend,
+    )
 
 
-def test_a_view_of_a_closed_cache_never_reaches_the_next_cache() -> None:
-    run_isolated("""
+def test_a_view_of_a_closed_cache_never_reaches_the_next_cache(backend: str) -> None:
+    run_isolated(
+        """
         first = make()
         a = first.alloc_reqid()
         first.step({a: 200})
@@ -119,11 +132,14 @@ def test_a_view_of_a_closed_cache_never_reaches_the_next_cache() -> None:
         stale.fill_(9)  # used to land in the second cache (same address range, reused)
         assert torch.all(fresh == 2)
         assert abs(stale.data_ptr() - fresh.data_ptr()) >= second.config.reservation_bytes
-    """)
+    """,
+        backend,
+    )
 
 
-def test_close_while_other_threads_write_through_views() -> None:
-    run_isolated("""
+def test_close_while_other_threads_write_through_views(backend: str) -> None:
+    run_isolated(
+        """
         cache = make(max_slots=4)
         views = []
         for _ in range(4):
@@ -143,7 +159,9 @@ def test_close_while_other_threads_write_through_views() -> None:
         for t in threads:
             t.join()
         print("ok")
-    """)
+    """,
+        backend,
+    )
 
 
 def test_an_int_subclass_cannot_name_one_slot_twice() -> None:
