@@ -77,7 +77,15 @@ class LLMEngine:
         """Callers may compile grammars ahead on other threads (`compile`), so admission finds them ready."""
         self.kv: KVStore = make_kv_store(config, shape, self.max_context)
         """Slots and pages; callers read it through `stats()`, tests inspect the allocator behind it."""
-        self._runner = ModelRunner(model, shape, self.kv.attend, config.quantization)
+        try:
+            # The weights (loaded on the CPU, in the engine's dtype) go where the KV cache is,
+            # before the runner fuses copies of them there. Only the device changes: the rotary
+            # table's float32 `inv_freq` keeps its precision.
+            model.to(device=self.kv.device)
+            self._runner = ModelRunner(model, shape, self.kv.attend, config.quantization)
+        except BaseException:
+            self.kv.close()
+            raise
         self._scheduler = Scheduler(self.kv, config.max_batched_tokens, self.max_context, config.reserve_tokens)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -263,7 +271,13 @@ class LLMEngine:
         ]
         if not wanted:
             return torch.empty(0, self.vocab_size)
-        return self._runner.logits(hidden[torch.tensor(wanted, device=device)]).cpu()
+        return self._to_host(self._runner.logits(hidden[torch.tensor(wanted, device=device)]))
+
+    def _to_host(self, logits: Tensor) -> Tensor:
+        """The iteration's one device-to-host transfer: the wanted rows' float32 logits, on the KV
+        cache's device, copied to the CPU, where the sampler reads them. (tests/test_cuda_dry_run.py
+        overrides it: its fake CUDA tensors hold no values to copy.)"""
+        return logits.cpu()
 
     def _append(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         """Adds a sampled token, its text, and ends the request if a stop condition is met."""

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
 
 QUANTIZATIONS = ("none", "bf16", "int8")
@@ -53,6 +54,11 @@ class Int8Linear:
     """Weights quantized once, per output channel; activations per row, per call."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        if weight.device.type != "cpu":
+            raise UnavailableError(
+                f"int8 quantization runs on the CPU (vattn::int8_linear); these weights are on {weight.device}: "
+                "use quantization 'none' or 'bf16'"
+            )
         w = weight.detach().float()
         self.scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
         self.weight_t = (w / self.scales[:, None]).round().to(torch.int8).t().contiguous()
