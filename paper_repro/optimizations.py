@@ -63,7 +63,8 @@ from benchmarks._common import (
 )
 from paper_repro._harness import DEFAULT_MODEL, results_dir
 from vattn import KVCache, KVCacheConfig
-from vattn.kernels import AttentionKernel, make_kernel
+from vattn.attention import AttentionKernel
+from vattn.kernels import make_kernel
 from vattn.sizes import KiB, MiB
 from vattn.stats import MappingCounters
 

@@ -44,7 +44,9 @@ from serving.linear import DenseLinear
 from serving.model_runner import Norm
 from serving.sampling_params import SamplingParams
 from tests.fake_cuda import FakeDriver, FakeTensorGpu, installed
-from vattn import UnavailableError
+from vattn import ConfigurationError, KVCache, KVCacheConfig, UnavailableError
+from vattn.kernels import make_kernel
+from vattn.paged import PagedKVCache, PagedKVCacheConfig, make_paged_kernel
 from vattn.sizes import MiB
 
 KERNELS = {"paged": "paged_gather", "virtual": "sdpa"}
@@ -291,3 +293,25 @@ def test_engine_iterations_on_cuda(fake_cuda: FakeCudaMode, cache_kind: str) -> 
 def test_int8_weights_are_refused_on_cuda(fake_cuda: FakeCudaMode, cache_kind: str) -> None:
     with fake_cuda, cuda_memory(cache_kind), pytest.raises(UnavailableError, match="int8 quantization runs on the CPU"):
         LLMEngine(replace(engine_config(cache_kind), quantization="int8"))
+
+
+@pytest.mark.parametrize("name", ["flash_attn", "flashinfer_single", "flashinfer_paged"])
+def test_gpu_kernels_refuse_a_precision_they_cannot_run_when_made(fake_cuda: FakeCudaMode, name: str) -> None:
+    """On a CUDA cache: float32 is refused with the fix; bfloat16 gets as far as the library,
+    which is missing here and reported as unavailable."""
+    with fake_cuda, cuda_memory("virtual"):
+        for dtype, error, message in [
+            ("float32", ConfigurationError, "runs float16 or bfloat16 caches, not torch.float32: use dtype="),
+            ("bfloat16", UnavailableError, "needs|cannot load"),
+        ]:
+            config = KVCacheConfig(2, 2, 64, 2, 256, dtype=dtype, backend="cuda", page_size=2 * MiB)
+            with KVCache(config) as cache, pytest.raises(error, match=message):
+                make_kernel(name, cache, 8)
+
+
+@pytest.mark.parametrize("name", ["paged_flash_attn", "paged_flashinfer"])
+def test_paged_gpu_kernels_refuse_a_precision_they_cannot_run_when_made(fake_cuda: FakeCudaMode, name: str) -> None:
+    with fake_cuda:
+        config = PagedKVCacheConfig(2, 2, 64, 2, 512, dtype="float32", block_size=256, device="cuda")
+        with pytest.raises(ConfigurationError, match="runs float16 or bfloat16 caches"):
+            make_paged_kernel(name, PagedKVCache(config), 8)

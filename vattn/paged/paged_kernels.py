@@ -21,6 +21,7 @@ attention output. What differs is what a kernel must do to find a request's KV:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,17 +29,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vattn.attention import AttentionKernel, iteration_rows, sdpa_request, split_long_chunks
 from vattn.errors import UnavailableError
-from vattn.kernels import (
-    FLASHINFER_WORKSPACE_BYTES,
-    AttentionKernel,
-    RaggedKernel,
+from vattn.gpu_kernels import (
+    FlashInferPlans,
+    decode_uses_tensor_cores,
+    flashinfer_available,
+    import_flash_attn,
     import_flashinfer,
-    iteration_rows,
     require_gpu,
-    sdpa_request,
-    split_long_chunks,
+    require_half_precision,
 )
+from vattn.kernels import RaggedKernel
 from vattn.ops import vattn_ops
 from vattn.paged.paged_cache import PagedKVCache
 
@@ -235,13 +237,10 @@ class PagedFlashAttnKernel(PagedKernel):
     def __init__(self, cache: PagedKVCache, num_query_heads: int) -> None:
         super().__init__(cache, num_query_heads)
         require_gpu(cache.device, self.name)
+        require_half_precision(cache.config.dtype, self.name)
         if cache.config.block_size % 256:
             raise ValueError(f"flash-attn's paged path needs block_size % 256 == 0, got {cache.config.block_size}")
-        try:
-            from flash_attn import flash_attn_with_kvcache
-        except ImportError as exc:
-            raise UnavailableError(f"the {self.name} kernel needs flash-attn (pip install flash-attn): {exc}") from exc
-        self._attend = flash_attn_with_kvcache
+        self._attend = import_flash_attn(self.name)
 
     def _forward(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cached = torch.tensor(
@@ -277,34 +276,52 @@ class PagedFlashInferKernel(PagedKernel):
     def __init__(self, cache: PagedKVCache, num_query_heads: int) -> None:
         super().__init__(cache, num_query_heads)
         require_gpu(cache.device, self.name)
-        flashinfer = import_flashinfer()
-        workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=cache.device)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        require_half_precision(cache.config.dtype, self.name)
+        flashinfer = import_flashinfer(self.name)
+        tensor_cores = decode_uses_tensor_cores(num_query_heads, cache.config.num_kv_heads)
+        with flashinfer_available(self.name):
+            self._plans = FlashInferPlans(flashinfer, cache.device, tensor_cores)
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Plans and runs a decode and a prefill over the first block (building their kernels)."""
+        cfg, device = self.cache.config, self.cache.device
+        blocks = tuple(part[:1] for part in self._layer_kv(0))
+        for rows in (1, 2):
+            q = torch.zeros(rows, self.num_query_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
+            planned = self._plan((0, rows), [0, 1], [0], [2], decode=rows == 1)
+            self._plans.run(planned, q, blocks)  # type: ignore[arg-type]
+
+    def _plan(
+        self, starts: tuple[int, ...], indptr: list[int], indices: list[int], last: list[int], decode: bool
+    ) -> Any:
+        cfg, device = self.cache.config, self.cache.device
+
+        def on_device(values: list[int] | tuple[int, ...]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        shape = (self.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
+        tables = (on_device(indptr), on_device(indices), on_device(last))
+        if decode:
+            self._plans.decode.plan(*tables, *shape, q_data_type=cfg.dtype, sm_scale=self.scale)
+            return self._plans.planned(self._plans.decode)
+        self._plans.prefill.plan(
+            on_device(starts), *tables, *shape, causal=True, q_data_type=cfg.dtype, sm_scale=self.scale
+        )
+        return self._plans.planned(self._plans.prefill)
 
     def _planned(self, batch: PagedBatch) -> PagedBatch:
-        cfg, device = self.cache.config, self.cache.device
+        cfg = self.cache.config
         counts = [cfg.blocks_for(n) for n in batch.lengths]
-        indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        indices = torch.cat([batch.block_table[i, :c] for i, c in enumerate(counts)])
-        last = torch.tensor(
-            [n - (c - 1) * cfg.block_size for n, c in zip(batch.lengths, counts, strict=True)],
-            dtype=torch.int32,
-            device=device,
-        )
-        shape = (self.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
-        if batch.is_decode:
-            wrapper = self._decode
-            wrapper.plan(indptr, indices, last, *shape, q_data_type=cfg.dtype, sm_scale=self.scale)
-        else:
-            wrapper = self._prefill
-            rows = torch.tensor(batch.starts, dtype=torch.int32, device=device)
-            wrapper.plan(rows, indptr, indices, last, *shape, causal=True, q_data_type=cfg.dtype, sm_scale=self.scale)
-        return replace(batch, wrapper=wrapper)
+        table = batch.host_block_table
+        indices = [block for i, count in enumerate(counts) for block in table[i, :count].tolist()]
+        indptr = [0, *itertools.accumulate(counts)]
+        last = [n - (c - 1) * cfg.block_size for n, c in zip(batch.lengths, counts, strict=True)]
+        return replace(batch, wrapper=self._plan(batch.starts, indptr, indices, last, decode=batch.is_decode))
 
     def _forward(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self._store(blocks, batch, k, v)
-        return batch.wrapper.run(q, blocks)
+        return self._plans.run(batch.wrapper, q, blocks)
 
 
 PAGED_KERNELS: dict[str, type[PagedKernel]] = {

@@ -1,0 +1,204 @@
+"""What every attention kernel shares: the checked batch of one iteration and the kernel base.
+
+A kernel takes one iteration's new tokens packed ragged, `[tokens, heads, head_dim]`,
+writes their K/V into the cache and returns their attention output. Request i's new
+tokens sit at positions `[length - new, length)` of its slot, where `length` is what
+`KVCache.step()` guaranteed; nothing reads or writes past it, so no kernel can touch an
+unmapped page.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vattn.config import exact_int, is_int
+from vattn.kv_cache import KVCache
+from vattn.memory import Lease
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """One iteration's requests, checked against the cache; built once, used by every layer.
+
+    Request i owns query rows `[starts[i], starts[i + 1])` and cache positions
+    `[lengths[i] - new_tokens[i], lengths[i])` of row `reqids[i]` of the virtual tensors.
+    """
+
+    reqids: tuple[int, ...]
+    new_tokens: tuple[int, ...]
+    lengths: tuple[int, ...]
+    starts: tuple[int, ...]
+    device_reqids: torch.Tensor
+    """int32 `[batch]`: `reqids` on the cache's device."""
+    cached_lengths: torch.Tensor
+    """int32 `[batch]`: tokens each request had before this iteration."""
+    token_reqids: torch.Tensor
+    """int64 `[tokens]`: reqid of each new token."""
+    token_positions: torch.Tensor
+    """int64 `[tokens]`: cache position of each new token."""
+    lease: Lease
+    """Holds the requests' slots while the batch lives (see `KVCache.pin`): drop the batch
+    when the iteration ends, so freed slots can be reused at once."""
+    wrapper: Any = None
+    """A kernel's own per-iteration state (FlashInfer's planned wrapper)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.new_tokens)
+
+    def requests(self) -> Iterator[tuple[slice, int, int, int]]:
+        """(query rows, reqid, new tokens, length) of each request."""
+        for i, (reqid, new, length) in enumerate(zip(self.reqids, self.new_tokens, self.lengths, strict=True)):
+            yield slice(self.starts[i], self.starts[i + 1]), reqid, new, length
+
+
+def iteration_rows(
+    reqids: Sequence[int], new_tokens: Sequence[int], lengths: Sequence[int], shared: Sequence[int] | None = None
+) -> tuple[list[int], list[int]]:
+    """Each request's new-token count checked against its length (1 to length, and never
+    into its `shared` first tokens, which other requests read), and the first query row of
+    each request followed by the total."""
+    shared = shared or [0] * len(lengths)
+    checked = [
+        exact_int(
+            new,
+            f"reqid {reqid}: new tokens" + (f" (after its {frozen} shared tokens)" if frozen else ""),
+            1,
+            length - frozen,
+        )
+        for reqid, new, length, frozen in zip(reqids, new_tokens, lengths, shared, strict=True)
+    ]
+    starts = [0]
+    for new in checked:
+        starts.append(starts[-1] + new)
+    return checked, starts
+
+
+class AttentionKernel(ABC):
+    """An attention implementation bound to one cache and one model's query head count."""
+
+    name: str
+
+    def __init__(self, cache: KVCache, num_query_heads: int) -> None:
+        cfg = cache.config
+        if not is_int(num_query_heads) or num_query_heads <= 0 or num_query_heads % cfg.num_kv_heads:
+            raise ValueError(
+                f"num_query_heads must be a positive multiple of num_kv_heads ({cfg.num_kv_heads}), "
+                f"got {num_query_heads!r}"
+            )
+        self.cache = cache
+        self.num_query_heads = num_query_heads
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def plan(self, reqids: Sequence[int], new_tokens: Sequence[int]) -> AttentionBatch:
+        """Checks the iteration against the cache's lengths and builds its index tensors."""
+        if not reqids or len(reqids) != len(new_tokens):
+            raise ValueError(
+                f"plan needs one new-token count per reqid, got {len(reqids)} reqids, {len(new_tokens)} counts"
+            )
+        reqids = [exact_int(reqid, "reqid", 0, self.cache.config.max_slots - 1) for reqid in reqids]
+        if len(set(reqids)) != len(reqids):
+            raise ValueError(f"reqids must be distinct, got {list(reqids)}")
+        lengths = self.cache.lengths(reqids)
+        new_tokens, starts = iteration_rows(reqids, new_tokens, lengths, self.cache.shared_lengths(reqids))
+        device = self.cache.device
+        token_reqids = [reqid for reqid, new in zip(reqids, new_tokens, strict=True) for _ in range(new)]
+        positions = [p for new, n in zip(new_tokens, lengths, strict=True) for p in range(n - new, n)]
+        batch = AttentionBatch(
+            reqids=tuple(reqids),
+            new_tokens=tuple(new_tokens),
+            lengths=tuple(lengths),
+            starts=tuple(starts),
+            device_reqids=torch.tensor(reqids, dtype=torch.int32, device=device),
+            cached_lengths=torch.tensor(
+                [n - new for n, new in zip(lengths, new_tokens, strict=True)], dtype=torch.int32, device=device
+            ),
+            token_reqids=torch.tensor(token_reqids, dtype=torch.int64, device=device),
+            token_positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            lease=self.cache.pin(reqids),
+        )
+        return self._planned(batch)
+
+    def _planned(self, batch: AttentionBatch) -> AttentionBatch:
+        """Hook for per-iteration kernel state."""
+        return batch
+
+    def forward(
+        self, layer: int, batch: AttentionBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Stores k/v `[tokens, kv_heads, head_dim]` and returns causal attention of q `[tokens,
+        query_heads, head_dim]` over each request's cache, `[tokens, query_heads, head_dim]`."""
+        cfg = self.cache.config
+        expected = {
+            "q": (q, (batch.num_tokens, self.num_query_heads, cfg.head_dim)),
+            "k": (k, (batch.num_tokens, cfg.num_kv_heads, cfg.head_dim)),
+            "v": (v, (batch.num_tokens, cfg.num_kv_heads, cfg.head_dim)),
+        }
+        for name, (tensor, shape) in expected.items():
+            if tuple(tensor.shape) != shape or tensor.dtype != cfg.dtype or tensor.device != self.cache.device:
+                raise ValueError(
+                    f"{name} must be {cfg.dtype} {list(shape)} on {self.cache.device}, "
+                    f"got {tensor.dtype} {list(tensor.shape)} on {tensor.device}"
+                )
+        return self._forward(self._layer_kv(layer), batch, q, k, v)
+
+    def _layer_kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The layer's K and V tensors, as `_forward` reads them."""
+        return self.cache._layer_tensors(layer)
+
+    @abstractmethod
+    def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Stores k/v into `kv` (the layer's K and V virtual tensors) and attends."""
+
+    @staticmethod
+    def _store(kv: tuple[Tensor, Tensor], batch: AttentionBatch, k: Tensor, v: Tensor) -> None:
+        """Writes the new tokens' K/V into their rows in one indexed copy per tensor."""
+        index = (batch.token_reqids, batch.token_positions)
+        kv[0].index_put_(index, k)
+        kv[1].index_put_(index, v)
+
+
+def sdpa_request(query: Tensor, keys: Tensor, values: Tensor, length: int, scale: float) -> Tensor:
+    """torch SDPA for one request: `query` [new, heads, dim] at the last `new` of `length`
+    positions over its `[length, kv_heads, dim]` keys and values; returns [new, heads, dim]."""
+    new = query.shape[0]
+    # Causal, aligned to the end (query j sits at position length - new + j); SDPA's own
+    # is_causal aligns to the start, which agrees only when the whole context is new.
+    whole = new == length
+    mask = (
+        None if new == 1 or whole else torch.ones(new, length, dtype=torch.bool, device=query.device).tril(length - new)
+    )
+    group = query.shape[1] // keys.shape[1]
+    if mask is not None and group > 1 and query.device.type == "cuda":
+        # On CUDA, flash attention takes no mask and memory-efficient attention no GQA, so a
+        # masked GQA call falls to the math backend ([heads, new, length] scores in memory):
+        # expanded heads let memory-efficient attention take it.
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    attended = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=whole and new > 1,
+        scale=scale,
+        enable_gqa=query.shape[1] != keys.shape[1],
+    )
+    return attended.squeeze(0).transpose(0, 1)
+
+
+def split_long_chunks(new_tokens: Sequence[int], long_chunk: int) -> tuple[list[int], tuple[int, ...]]:
+    """Indexes of the requests with at most `long_chunk` new tokens, and of the others."""
+    short = [i for i, new in enumerate(new_tokens) if new <= long_chunk]
+    return short, tuple(i for i, new in enumerate(new_tokens) if new > long_chunk)

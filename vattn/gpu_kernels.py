@@ -1,0 +1,289 @@
+"""GPU attention kernels on the virtual tensors: FlashAttention 2 and FlashInfer, unmodified.
+
+Their libraries are imported when a kernel is made, and a kernel refuses at construction
+what it cannot run: a cache off the GPU, a dtype other than float16/bfloat16, a library that
+is missing or cannot build its kernels (FlashInfer compiles them on first use and needs nvcc
+for that: each FlashInfer kernel runs its variants once on scratch memory when made, so a
+failed build is `UnavailableError` there, not an error in the middle of serving). Only
+FlashAttention 2's `flash_attn_with_kvcache` is supported; flash-attn-4 (`flash_attn.cute`)
+has no KV-cache entry point. The paged baseline's GPU kernels use the same guards.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vattn.attention import AttentionBatch, AttentionKernel
+from vattn.errors import ConfigurationError, UnavailableError
+from vattn.kv_cache import KVCache
+from vattn.sizes import MiB
+
+FLASHINFER_WORKSPACE_BYTES = 128 * MiB
+FLASHINFER_PAGE_TOKENS = 16
+"""Tokens per page FlashInfer sees a slot as: its decode scheduler splits a request's KV only
+at page boundaries, so one page per slot would leave one thread block per (request, head)."""
+CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 6, 8)
+"""Query heads per KV head that FlashInfer's CUDA-core decode is compiled for; others take the
+tensor-core path."""
+
+
+def require_gpu(device: torch.device, kernel: str) -> None:
+    if device.type != "cuda":
+        raise UnavailableError(f"the {kernel} kernel runs on a GPU; this cache is on {device} (backend='cuda')")
+
+
+def require_half_precision(dtype: torch.dtype, kernel: str) -> None:
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ConfigurationError(
+            f"the {kernel} kernel runs float16 or bfloat16 caches, not {dtype}: use dtype='bfloat16' "
+            "(vattn serve --dtype bfloat16) or the sdpa kernel"
+        )
+
+
+def import_flash_attn(kernel: str) -> Callable[..., Tensor]:
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError as exc:
+        raise UnavailableError(
+            f"the {kernel} kernel needs FlashAttention 2 (pip install flash-attn; flash-attn-4's "
+            f"flash_attn.cute has no flash_attn_with_kvcache): {exc}"
+        ) from exc
+    return flash_attn_with_kvcache
+
+
+@contextmanager
+def flashinfer_available(kernel: str) -> Iterator[None]:
+    """Turns a FlashInfer import or kernel build that fails (no nvcc, no cached cubins, a
+    library that cannot load) into UnavailableError with the library's reason."""
+    try:
+        yield
+    except (ImportError, RuntimeError, OSError) as exc:
+        raise UnavailableError(f"the {kernel} kernel cannot load FlashInfer's kernels here: {exc}") from exc
+
+
+def import_flashinfer(kernel: str) -> Any:
+    with flashinfer_available(kernel):
+        import flashinfer
+    return flashinfer
+
+
+def decode_uses_tensor_cores(num_query_heads: int, num_kv_heads: int) -> bool:
+    return num_query_heads // num_kv_heads not in CUDA_CORE_DECODE_GROUPS
+
+
+@dataclass(frozen=True)
+class PlannedWrapper:
+    """A FlashInfer wrapper as one plan() left it. The wrapper's plan lives in its workspace,
+    which the next plan() overwrites, so a batch planned before the latest is refused."""
+
+    wrapper: Any
+    generation: int
+
+
+class FlashInferPlans:
+    """One kernel's FlashInfer decode and prefill wrappers over a zeroed workspace (FlashInfer
+    asks for zeros before first use) and the count of plans made, so stale batches are caught."""
+
+    def __init__(self, flashinfer: Any, device: torch.device, use_tensor_cores: bool) -> None:
+        workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=use_tensor_cores)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self._generations = itertools.count(1)
+        self.latest = 0
+
+    def planned(self, wrapper: Any) -> PlannedWrapper:
+        self.latest = next(self._generations)
+        return PlannedWrapper(wrapper, self.latest)
+
+    def run(self, planned: PlannedWrapper, q: Tensor, kv: tuple[Tensor, Tensor]) -> Tensor:
+        if planned.generation != self.latest:
+            raise RuntimeError(
+                "this batch was planned before the kernel's latest plan(), which replaced its FlashInfer "
+                "plan: plan each iteration just before running it"
+            )
+        return planned.wrapper.run(q, kv)
+
+
+def slot_pages(keys: Tensor, page_tokens: int) -> tuple[Tensor, int]:
+    """A `[slots, context, heads, dim]` virtual tensor seen as pages of `page_tokens` tokens
+    (no copy): `[pages, page_tokens, heads, dim]` where slot s's k-th page is page
+    `s * pages_per_slot + k`. Returns the view and `pages_per_slot`. ValueError when the slot
+    stride is not a whole number of pages, or FlashInfer's 32-bit page stride cannot hold it."""
+    slot_stride, token_stride, head_stride, _ = keys.stride()
+    page_stride = page_tokens * token_stride
+    if keys.shape[1] % page_tokens or slot_stride % page_stride:
+        raise ValueError(
+            f"a slot of {keys.shape[1]} tokens (stride {slot_stride}) is not a whole number of "
+            f"{page_tokens}-token pages: use a max_context that is a multiple of {page_tokens}"
+        )
+    if page_stride >= 2**32:
+        raise ValueError(
+            f"FlashInfer's page stride is 32-bit, and a {page_tokens}-token page spans {page_stride} elements: "
+            "use layout='per_layer' or fewer kv heads per cache"
+        )
+    pages_per_slot = slot_stride // page_stride
+    pages = keys.as_strided(
+        (keys.shape[0] * pages_per_slot, page_tokens, keys.shape[2], keys.shape[3]),
+        (page_stride, token_stride, head_stride, 1),
+    )
+    return pages, pages_per_slot
+
+
+def page_table(
+    reqids: tuple[int, ...], lengths: tuple[int, ...], pages_per_slot: int, page_tokens: int
+) -> tuple[list[int], list[int], list[int]]:
+    """FlashInfer's (indptr, indices, last_page_len) for requests reading their slots' first pages."""
+    indptr, indices, last = [0], [], []
+    for reqid, length in zip(reqids, lengths, strict=True):
+        count = -(-length // page_tokens)
+        indices += range(reqid * pages_per_slot, reqid * pages_per_slot + count)
+        indptr.append(len(indices))
+        last.append(length - (count - 1) * page_tokens)
+    return indptr, indices, last
+
+
+class FlashAttnKernel(AttentionKernel):
+    """FlashAttention's `flash_attn_with_kvcache`: `cache_batch_idx` = slots, `cache_seqlens` =
+    cached lengths, new K/V appended in place by the kernel. Decode batches run in one call,
+    prefill chunks one request per call."""
+
+    name = "flash_attn"
+
+    def __init__(self, cache: KVCache, num_query_heads: int) -> None:
+        super().__init__(cache, num_query_heads)
+        require_gpu(cache.device, self.name)
+        require_half_precision(cache.config.dtype, self.name)
+        self._attend = import_flash_attn(self.name)
+
+    def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        keys, values = kv
+        if batch.is_decode:
+            out = self._attend(
+                q.unsqueeze(1),
+                keys,
+                values,
+                k=k.unsqueeze(1),
+                v=v.unsqueeze(1),
+                cache_seqlens=batch.cached_lengths,
+                cache_batch_idx=batch.device_reqids,
+                softmax_scale=self.scale,
+                causal=True,
+            )
+            return out.squeeze(1)
+        out = torch.empty_like(q)
+        for i, (rows, *_) in enumerate(batch.requests()):
+            one = slice(i, i + 1)
+            out[rows] = self._attend(
+                q[rows].unsqueeze(0),
+                keys,
+                values,
+                k=k[rows].unsqueeze(0),
+                v=v[rows].unsqueeze(0),
+                cache_seqlens=batch.cached_lengths[one],
+                cache_batch_idx=batch.device_reqids[one],
+                softmax_scale=self.scale,
+                causal=True,
+            ).squeeze(0)
+        return out
+
+
+class FlashInferSingleKernel(AttentionKernel):
+    """FlashInfer's `single_prefill_with_kv_cache` / `single_decode_with_kv_cache` on each
+    request's `[length, kv_heads, dim]` slice (contiguous in the per-layer layout)."""
+
+    name = "flashinfer_single"
+
+    def __init__(self, cache: KVCache, num_query_heads: int) -> None:
+        super().__init__(cache, num_query_heads)
+        require_gpu(cache.device, self.name)
+        require_half_precision(cache.config.dtype, self.name)
+        if cache.config.layout != "per_layer":
+            raise ValueError("flashinfer_single needs each slot's K/V contiguous: use layout='per_layer'")
+        self._flashinfer = import_flashinfer(self.name)
+        self._tensor_cores = decode_uses_tensor_cores(num_query_heads, cache.config.num_kv_heads)
+        cfg = cache.config
+        with flashinfer_available(self.name):  # builds (or loads) both variants now
+            scratch = torch.zeros(4, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=cache.device)
+            query = torch.zeros(4, num_query_heads, cfg.head_dim, dtype=cfg.dtype, device=cache.device)
+            self._attend(query, scratch, scratch)
+            self._attend(query[:1], scratch, scratch)
+
+    def _attend(self, q: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        if q.shape[0] == 1:
+            return self._flashinfer.single_decode_with_kv_cache(
+                q[0], key, value, kv_layout="NHD", sm_scale=self.scale, use_tensor_cores=self._tensor_cores
+            ).unsqueeze(0)
+        return self._flashinfer.single_prefill_with_kv_cache(
+            q, key, value, causal=True, kv_layout="NHD", sm_scale=self.scale
+        )
+
+    def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self._store(kv, batch, k, v)
+        keys, values = kv
+        out = torch.empty_like(q)
+        for rows, reqid, _, length in batch.requests():
+            out[rows] = self._attend(q[rows], keys[reqid, :length], values[reqid, :length])
+        return out
+
+
+class FlashInferPagedKernel(AttentionKernel):
+    """FlashInfer's paged wrappers reading the virtual tensors as a paged cache: each slot is
+    `FLASHINFER_PAGE_TOKENS`-token pages (a strided view, no copy), a request's pages its
+    slot's first ones. One planned call per layer for the whole batch, decode or mixed."""
+
+    name = "flashinfer_paged"
+
+    def __init__(self, cache: KVCache, num_query_heads: int) -> None:
+        super().__init__(cache, num_query_heads)
+        require_gpu(cache.device, self.name)
+        require_half_precision(cache.config.dtype, self.name)
+        keys, _ = cache._layer_tensors(0)
+        _, self._pages_per_slot = slot_pages(keys, FLASHINFER_PAGE_TOKENS)  # refuses a layout it cannot page
+        flashinfer = import_flashinfer(self.name)
+        tensor_cores = decode_uses_tensor_cores(num_query_heads, cache.config.num_kv_heads)
+        with flashinfer_available(self.name):
+            self._plans = FlashInferPlans(flashinfer, cache.device, tensor_cores)
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Plans and runs a decode and a prefill over a scratch page (building their kernels)."""
+        cfg, device = self.cache.config, self.cache.device
+        page = torch.zeros(1, FLASHINFER_PAGE_TOKENS, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
+        for rows in (1, 2):
+            q = torch.zeros(rows, self.num_query_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
+            planned = self._plan((0, rows), [0, 1], [0], [2], decode=rows == 1)
+            self._plans.run(planned, q, (page, page))
+
+    def _plan(
+        self, starts: tuple[int, ...], indptr: list[int], indices: list[int], last: list[int], decode: bool
+    ) -> PlannedWrapper:
+        cfg, device = self.cache.config, self.cache.device
+
+        def on_device(values: list[int] | tuple[int, ...]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        shape = (self.num_query_heads, cfg.num_kv_heads, cfg.head_dim, FLASHINFER_PAGE_TOKENS)
+        tables = (on_device(indptr), on_device(indices), on_device(last))
+        if decode:
+            self._plans.decode.plan(*tables, *shape, q_data_type=cfg.dtype, sm_scale=self.scale)
+            return self._plans.planned(self._plans.decode)
+        self._plans.prefill.plan(
+            on_device(starts), *tables, *shape, causal=True, q_data_type=cfg.dtype, sm_scale=self.scale
+        )
+        return self._plans.planned(self._plans.prefill)
+
+    def _planned(self, batch: AttentionBatch) -> AttentionBatch:
+        tables = page_table(batch.reqids, batch.lengths, self._pages_per_slot, FLASHINFER_PAGE_TOKENS)
+        return replace(batch, wrapper=self._plan(batch.starts, *tables, decode=batch.is_decode))
+
+    def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self._store(kv, batch, k, v)
+        pages = tuple(slot_pages(tensor, FLASHINFER_PAGE_TOKENS)[0] for tensor in kv)
+        return self._plans.run(batch.wrapper, q, pages)  # type: ignore[arg-type]
