@@ -204,7 +204,25 @@ def attention_seconds(
             calls[variant]()
         except Exception as exc:
             failures.append((variant, exc))
-    return median_seconds(calls, repeats), failures
+    broken: dict[Variant, Exception] = {}
+
+    def guarded(variant: Variant, call: Callable[[], torch.Tensor]) -> Callable[[], object]:
+        """A call that fails while timed stops there and is reported, and the others go on."""
+
+        def run() -> object:
+            if variant in broken:
+                return None
+            try:
+                return call()
+            except Exception as exc:
+                broken[variant] = exc
+                return None
+
+        return run
+
+    seconds = median_seconds({variant: guarded(variant, call) for variant, call in calls.items()}, repeats)
+    failures += list(broken.items())
+    return {variant: s for variant, s in seconds.items() if variant not in broken}, failures
 
 
 def median_seconds(calls: Mapping[Key, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[Key, float]:

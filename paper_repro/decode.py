@@ -46,7 +46,7 @@ from paper_repro._harness import (
     unmeasured,
     with_ratio,
 )
-from serving import SamplingParams
+from serving import LLM, SamplingParams
 
 CPU_VARIANTS = (
     Variant("virtual", "ragged"),
@@ -71,35 +71,44 @@ def attention_rows(
     return with_ratio(rows, ("batch",), "ms")
 
 
+def decode_step_seconds(llm: LLM, batch: int, context: int, steps: int) -> float:
+    """Seconds per engine iteration with `batch` requests of `context` tokens all decoding."""
+    engine, vocab = llm.engine, llm.tokenizer.vocab_size
+    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    generator = torch.Generator().manual_seed(batch)
+    ids = [
+        engine.add_request(torch.randint(100, vocab, (context,), generator=generator).tolist(), params)
+        for _ in range(batch)
+    ]
+    decoding: set[str] = set()
+    while len(decoding) < batch:  # until every prompt is in and each request has a token
+        decoding |= {delta.request_id for delta in engine.step() if delta.token_ids}
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    seconds = (time.perf_counter() - start) / steps
+    for request_id in ids:
+        engine.abort(request_id)
+    engine.step()
+    return seconds
+
+
 def model_rows(variants: Sequence[Variant], batches: list[int], context: int, steps: int) -> list[dict[str, Any]]:
     rows = []
     for variant in tqdm(variants, desc="decode model"):
         keys = {"table": "model", "model": DEFAULT_MODEL.name, "context": context}
-        try:
+        done: list[dict[str, Any]] = []
+        try:  # building and measuring: a failure costs this variant's remaining rows only
             llm = make_llm(variant, max_slots=max(batches), max_context=context + steps + 8, kv_budget=2 << 30)
+            try:
+                for batch in batches:
+                    seconds = decode_step_seconds(llm, batch, context, steps)
+                    done.append(measured(variant, **keys, batch=batch, ms=1000 * seconds, tokens_per_s=batch / seconds))
+            finally:
+                llm.close()
         except Exception as exc:
-            rows += [unmeasured(variant, exc, **keys, batch=batch) for batch in batches]
-            continue
-        engine, vocab = llm.engine, llm.tokenizer.vocab_size
-        for batch in batches:
-            params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
-            generator = torch.Generator().manual_seed(batch)
-            ids = [
-                engine.add_request(torch.randint(100, vocab, (context,), generator=generator).tolist(), params)
-                for _ in range(batch)
-            ]
-            decoding: set[str] = set()
-            while len(decoding) < batch:  # until every prompt is in and each request has a token
-                decoding |= {delta.request_id for delta in engine.step() if delta.token_ids}
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            seconds = (time.perf_counter() - start) / steps
-            for request_id in ids:
-                engine.abort(request_id)
-            engine.step()
-            rows.append(measured(variant, **keys, batch=batch, ms=1000 * seconds, tokens_per_s=batch / seconds))
-        llm.close()
+            done += [unmeasured(variant, exc, **keys, batch=batch) for batch in batches[len(done) :]]
+        rows += done
     return with_ratio(rows, ("batch",), "ms")
 
 

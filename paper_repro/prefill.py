@@ -68,21 +68,25 @@ def model_rows(variants: Sequence[Variant], contexts: list[int], rounds: int) ->
     rows = []
     for variant in tqdm(variants, desc="prefill model"):
         keys = {"table": "model", "model": DEFAULT_MODEL.name}
-        try:
+        done: list[dict[str, Any]] = []
+        try:  # building and measuring: a failure costs this variant's remaining rows only
             llm = make_llm(variant, max_slots=2, max_context=max(contexts) + 8, kv_budget=512 << 20)
+            try:
+                vocab = llm.tokenizer.vocab_size
+                for context in contexts:
+                    generator = torch.Generator().manual_seed(context)
+                    ids = torch.randint(100, vocab, (context,), generator=generator).tolist()
+                    best = float("inf")
+                    for _ in range(rounds):
+                        start = time.perf_counter()
+                        llm.generate([ids], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+                        best = min(best, time.perf_counter() - start)
+                    done.append(measured(variant, **keys, context=context, ms=1000 * best, tokens_per_s=context / best))
+            finally:
+                llm.close()
         except Exception as exc:
-            rows += [unmeasured(variant, exc, **keys, context=context) for context in contexts]
-            continue
-        vocab = llm.tokenizer.vocab_size
-        for context in contexts:
-            ids = torch.randint(100, vocab, (context,), generator=torch.Generator().manual_seed(context)).tolist()
-            best = float("inf")
-            for _ in range(rounds):
-                start = time.perf_counter()
-                llm.generate([ids], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
-                best = min(best, time.perf_counter() - start)
-            rows.append(measured(variant, **keys, context=context, ms=1000 * best, tokens_per_s=context / best))
-        llm.close()
+            done += [unmeasured(variant, exc, **keys, context=context) for context in contexts[len(done) :]]
+        rows += done
     return with_ratio(rows, ("model", "context"), "ms")
 
 
