@@ -30,7 +30,7 @@ native: $(NATIVE) $(OPS) $(FAKE_CUDA)
 
 # The default model, converted once into $$VATTN_CACHE_DIR (default ~/.cache/vattn); a no-op after.
 model: $(STAMP)
-	$(PY) -m serving.model_store
+	$(PY) -m serving.default_model
 
 $(NATIVE): native/vattn_native.c
 	cc -O2 -Wall -Wextra -Werror -shared -fPIC -o $@ $< -ldl

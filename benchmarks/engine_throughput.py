@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
 
 from benchmarks._common import RESULTS_DIR, command_line, machine_facts, percentiles, save_figure, write_results
 from serving import LLM, SamplingParams
-from serving.model_store import ensure_default_model
+from serving.default_model import ensure_default_model
 from vattn.sizes import MiB
 
 Timings = dict[str, list[float]]

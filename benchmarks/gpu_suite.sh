@@ -138,12 +138,12 @@ pytest_step() { # step pytest-arguments...
 FAKE_TESTS=(tests/test_cuda_fake.py tests/test_fake_cuda_bites.py tests/test_cuda_dry_run.py tests/test_gpu_kernel_guards.py)
 pytest_step cuda tests/test_cuda.py
 pytest_step fake "${FAKE_TESTS[@]}"
-if "$PYTHON" -c "import sys; from serving.model_store import default_model_dir, is_converted; sys.exit(0 if is_converted(default_model_dir()) else 1)" 2>/dev/null; then
+if "$PYTHON" -c "import sys; from serving.default_model import default_model_dir, is_converted; sys.exit(0 if is_converted(default_model_dir()) else 1)" 2>/dev/null; then
     ignored=()
     for test in tests/test_cuda.py "${FAKE_TESTS[@]}"; do ignored+=(--ignore "$test"); done
     pytest_step rest tests "${ignored[@]}"
 else
-    record rest "skipped: the default model is not in the cache (run 'python -m serving.model_store' with network, or carry \$VATTN_CACHE_DIR)"
+    record rest "skipped: the default model is not in the cache (run 'python -m serving.default_model' with network, or carry \$VATTN_CACHE_DIR)"
 fi
 
 if [[ -z "${SKIP_BENCH:-}" ]]; then

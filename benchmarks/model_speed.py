@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM
 from benchmarks._common import RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
 from benchmarks.engine_throughput import make_prompts
 from serving import LLM, SamplingParams
-from serving.model_store import ensure_default_model
+from serving.default_model import ensure_default_model
 from vattn.sizes import KiB
 
 CONFIGS: dict[str, dict[str, Any]] = {

@@ -31,7 +31,7 @@ from benchmarks._common import RESULTS_DIR, command_line, machine_facts, print_t
 from benchmarks.engine_throughput import make_prompts
 from benchmarks.model_speed import CONFIGS, long_prompt
 from serving import LLM, SamplingParams
-from serving.model_store import ensure_default_model
+from serving.default_model import ensure_default_model
 
 
 def top_operators(call: Callable[[], object], top: int) -> tuple[float, list[dict[str, Any]]]:

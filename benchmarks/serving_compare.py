@@ -52,7 +52,7 @@ from benchmarks._common import (
     write_results,
 )
 from benchmarks.serving_load import Timing, make_prompts, one_request, summarize
-from serving.model_store import DEFAULT_MODEL, cache_dir, default_model_dir
+from serving.default_model import DEFAULT_MODEL, cache_dir, default_model_dir
 from vattn.sizes import MiB
 
 matplotlib.use("Agg")

@@ -32,7 +32,7 @@ def results_dir() -> Path:
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class PaperModel:
     name: str
     num_layers: int
     num_query_heads: int
@@ -40,11 +40,11 @@ class ModelShape:
     head_dim: int
 
 
-DEFAULT_MODEL = ModelShape("SmolLM2-135M", 30, 9, 3, 64)
+DEFAULT_MODEL = PaperModel("SmolLM2-135M", 30, 9, 3, 64)
 PAPER_MODELS = (
-    ModelShape("Yi-6B", 32, 32, 4, 128),
-    ModelShape("Llama-3-8B", 32, 32, 8, 128),
-    ModelShape("Yi-34B", 60, 56, 8, 128),
+    PaperModel("Yi-6B", 32, 32, 4, 128),
+    PaperModel("Llama-3-8B", 32, 32, 8, 128),
+    PaperModel("Yi-34B", 60, 56, 8, 128),
 )
 
 
@@ -139,7 +139,7 @@ def report_unmeasured(rows: list[dict[str, Any]]) -> None:
 
 
 def attention_call(
-    variant: Variant, shape: ModelShape, batch: int, context: int, new_tokens: int
+    variant: Variant, shape: PaperModel, batch: int, context: int, new_tokens: int
 ) -> Callable[[], torch.Tensor]:
     """One layer's attention for `batch` requests at `context` tokens whose last `new_tokens`
     are this iteration's: caches stepped and the batch planned outside the returned call. On
@@ -192,7 +192,7 @@ def attention_call(
 
 
 def attention_seconds(
-    variants: Sequence[Variant], shape: ModelShape, batch: int, context: int, new_tokens: int, repeats: int
+    variants: Sequence[Variant], shape: PaperModel, batch: int, context: int, new_tokens: int, repeats: int
 ) -> tuple[dict[Variant, float], list[tuple[Variant, Exception]]]:
     """Each variant's `attention_call` built, run once and timed in alternating rounds: the
     median seconds of those that run, and (variant, exception) for those that did not."""

@@ -35,7 +35,7 @@ from paper_repro._harness import (
     CUDA_VARIANTS,
     DEFAULT_MODEL,
     PAPER_MODELS,
-    ModelShape,
+    PaperModel,
     Variant,
     attention_seconds,
     make_llm,
@@ -59,7 +59,7 @@ CPU_MODEL_VARIANTS = (Variant("virtual", "ragged"), Variant("paged", "paged", 16
 
 
 def attention_rows(
-    variants: Sequence[Variant], shape: ModelShape, batches: list[int], context: int, repeats: int
+    variants: Sequence[Variant], shape: PaperModel, batches: list[int], context: int, repeats: int
 ) -> list[dict[str, Any]]:
     rows = []
     for batch in tqdm(batches, desc="decode attention"):

@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt
 from tqdm import tqdm
 
 from benchmarks._common import command_line, machine_facts, print_table, save_figure, write_results
-from paper_repro._harness import DEFAULT_MODEL, PAPER_MODELS, ModelShape, results_dir
+from paper_repro._harness import DEFAULT_MODEL, PAPER_MODELS, PaperModel, results_dir
 from vattn import KVCache, KVCacheConfig, OutOfPagesError, OutOfSlotsError
 from vattn.paged import PagedKVCache, PagedKVCacheConfig
 from vattn.sizes import GiB, KiB, MiB
@@ -36,11 +36,11 @@ PAGE_SIZES = (64 * KiB, 128 * KiB, 256 * KiB, 2 * MiB)
 BLOCK_SIZES = (16, 128)
 
 
-def per_layer_token_bytes(shape: ModelShape, element: int) -> int:
+def per_layer_token_bytes(shape: PaperModel, element: int) -> int:
     return shape.num_kv_heads * shape.head_dim * element
 
 
-def computed(shape: ModelShape, element: int, kind: str, unit: int, context: int, budget: int) -> dict[str, Any]:
+def computed(shape: PaperModel, element: int, kind: str, unit: int, context: int, budget: int) -> dict[str, Any]:
     """Tokens per page, worst-case waste and max batch from the layout arithmetic."""
     token = per_layer_token_bytes(shape, element)
     tensors = 2 * shape.num_layers

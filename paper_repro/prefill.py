@@ -34,7 +34,7 @@ from paper_repro._harness import (
     CUDA_VARIANTS,
     DEFAULT_MODEL,
     PAPER_MODELS,
-    ModelShape,
+    PaperModel,
     Variant,
     attention_seconds,
     make_llm,
@@ -52,7 +52,7 @@ CPU_MODEL_VARIANTS = (Variant("virtual", "ragged"), Variant("paged", "paged", 16
 
 
 def attention_rows(
-    variants: Sequence[Variant], shapes: list[tuple[ModelShape, int]], repeats: int
+    variants: Sequence[Variant], shapes: list[tuple[PaperModel, int]], repeats: int
 ) -> list[dict[str, Any]]:
     rows = []
     for shape, context in tqdm(shapes, desc="prefill attention"):

@@ -1,6 +1,6 @@
 """The vattn serving engine: a real model on the vattn KV cache with continuous batching.
 
-Names are imported on first use, so `python -m serving.model_store` (part of set-up)
+Names are imported on first use, so `python -m serving.default_model` (part of set-up)
 does not load torch and transformers first.
 """
 

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from serving.linear import QUANTIZATIONS
-from vattn.config import DTYPES, is_int, require_positive_int
+from vattn.config import DTYPES
 from vattn.kernels import KERNELS
 from vattn.paged import PAGED_KERNELS
 from vattn.sizes import KiB, MiB
+from vattn.validate import is_int, require_positive_int
 
 KV_CACHES = ("virtual", "paged")
 

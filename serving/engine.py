@@ -20,10 +20,11 @@ import torch
 from torch import Tensor
 
 from serving.config import EngineConfig
+from serving.default_model import ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
 from serving.kv_store import KVStore, make_kv_store
-from serving.model_runner import ModelRunner, load_model, model_shape
-from serving.model_store import ensure_default_model
+from serving.model_loader import load_model, model_shape
+from serving.model_runner import ModelRunner
 from serving.outputs import RequestOutput, StreamDelta
 from serving.request import (
     Request,

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from serving.config import EngineConfig
-from serving.model_runner import ModelShape
+from serving.model_loader import ModelShape
 from vattn import CacheStats, KVCache, KVCacheConfig
 from vattn.errors import CapacityError
 from vattn.kernels import make_kernel

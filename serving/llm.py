@@ -13,7 +13,7 @@ from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.outputs import BeamSearchOutput, RequestOutput, StreamDelta
 from serving.sampling_params import BeamSearchParams, SamplingParams
-from vattn.config import is_int
+from vattn.validate import is_int
 
 Prompt = str | list[int]
 

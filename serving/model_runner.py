@@ -1,4 +1,4 @@
-"""A Llama-family forward pass over packed ragged tokens, with its KV in the vattn cache.
+"""A Llama-family forward pass over packed ragged tokens, with its KV in the KV store's cache (virtual or paged).
 
 The weights are transformers' own (Llama, Mistral, Qwen2, SmolLM share this shape), with
 the projections that read one input fused (QKV, gate/up) and optionally int8. Each
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +20,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from serving.linear import Linear, fused
+from serving.model_loader import ModelShape
 from vattn.ops import vattn_ops
 
 if TYPE_CHECKING:
@@ -28,49 +28,6 @@ if TYPE_CHECKING:
 
 Attend = Callable[[int, "IterationBatch", Tensor, Tensor, Tensor], Tensor]
 """(layer, batch, q, k, v) -> attention output: stores the new K/V and attends over the cache."""
-
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    num_query_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position: int
-
-
-def load_model(path: str | Path, dtype: torch.dtype) -> tuple[Any, Any]:
-    """A causal LM and its tokenizer from a safetensors folder or a GGUF file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, gguf_file = Path(path), None
-    if folder.suffix == ".gguf":
-        folder, gguf_file = folder.parent, folder.name
-    if not folder.is_dir():
-        raise ValueError(f"model folder {str(folder)!r} does not exist")
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype)
-    if model.config.model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"model type {model.config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    return model.eval(), tokenizer
-
-
-def model_shape(model: Any) -> ModelShape:
-    config = model.config
-    heads = config.num_attention_heads
-    return ModelShape(
-        num_layers=config.num_hidden_layers,
-        num_query_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        vocab_size=config.vocab_size,
-        max_position=config.max_position_embeddings,
-    )
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 
 from serving.detokenizer import IncrementalDetokenizer
 from serving.sampling_params import SamplingParams
-from vattn.config import is_int
+from vattn.validate import is_int
 
 
 class RequestStatus(Enum):

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from serving.structured_output import StructuredOutput
-from vattn.config import is_int
+from vattn.validate import is_int
 
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20

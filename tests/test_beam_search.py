@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from serving import LLM, SamplingParams
-from serving.model_store import ensure_default_model
+from serving.default_model import ensure_default_model
 
 WIDTH, MAX_TOKENS = 3, 24
 ENGINE: dict[str, Any] = {"max_slots": 8, "max_context": 256, "max_batched_tokens": 48, "kv_budget": 64 << 20}

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serving.model_store import ensure_default_model
+from serving.default_model import ensure_default_model
 from serving.server.cli import main, parser, size
 
 VATTN = Path(sys.executable).parent / "vattn"

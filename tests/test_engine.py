@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from serving import LLM, SamplingParams
+from serving.default_model import default_gguf, ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
 from serving.engine import plan_forks
-from serving.model_store import default_gguf, ensure_default_model
 from serving.request import Request
 from serving.structured_output import StructuredOutput
 

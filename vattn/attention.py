@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vattn.config import exact_int, is_int
 from vattn.kv_cache import KVCache
 from vattn.memory import Lease
+from vattn.validate import exact_int, is_int
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import Literal, get_args
 import torch
 
 from vattn.sizes import MiB
+from vattn.validate import is_int, require_positive_int
 
 Layout = Literal["per_layer", "mega"]
 LAYOUTS: tuple[str, ...] = get_args(Layout)
@@ -181,28 +182,3 @@ class KVCacheConfig:
     def tokens_in(self, page_steps: int) -> int:
         """Tokens that lie wholly inside the first `page_steps` pages of a slot."""
         return min(self.max_context, page_steps * self.page_size // self.bytes_per_token)
-
-
-def is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def exact_int(value: object, name: str, low: int, high: int) -> int:
-    """`value` as a plain int in [low, high], or ValueError naming it.
-
-    An int subclass is read by the number it stores: its own comparisons, hash and
-    `__index__` could make one reqid look like two, so they are never consulted.
-    """
-    if type(value) is int and low <= value <= high:  # the common case, first
-        return value
-    if not is_int(value):
-        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
-    number = int.__index__(value)  # type: ignore[arg-type]
-    if not low <= number <= high:
-        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {number}")
-    return number
-
-
-def require_positive_int(name: str, value: object) -> None:
-    if not is_int(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")

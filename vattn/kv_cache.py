@@ -14,7 +14,7 @@ import torch
 
 from vattn.backends import VMMBackend, make_backend
 from vattn.backends.base import MapError
-from vattn.config import KVCacheConfig, exact_int, is_int
+from vattn.config import KVCacheConfig
 from vattn.errors import OutOfPagesError, OutOfSlotsError
 from vattn.mapper import BackgroundMapper
 from vattn.memory import CacheMemory, Lease
@@ -22,6 +22,7 @@ from vattn.page_pool import PagePool
 from vattn.prefix_cache import ROOT, CachedUnit, PrefixCache, chain_digest, salted_root
 from vattn.slot import Origin, Slot
 from vattn.stats import CacheStats, MappingCounters
+from vattn.validate import exact_int, is_int
 
 Reclaim = tuple[Slot, int] | CachedUnit
 """Pages that can go: a slot's last page steps (how many), or a prefix-cache entry."""

@@ -27,7 +27,7 @@ log = logging.getLogger("vattn.serve")
 def build_app(settings: ServerSettings) -> FastAPI:
     """The app; its lifespan starts the engine thread (the model loads while /health says 503)."""
     if settings.engine_config.model is None:
-        from serving.model_store import ensure_default_model
+        from serving.default_model import ensure_default_model
 
         settings = replace(settings, engine_config=replace(settings.engine_config, model=str(ensure_default_model())))
     model_name = settings.model_name or Path(str(settings.engine_config.model)).name.removesuffix(".gguf")

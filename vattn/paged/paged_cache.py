@@ -22,10 +22,11 @@ from functools import cached_property
 
 import torch
 
-from vattn.config import DTYPES, exact_int, require_positive_int
+from vattn.config import DTYPES
 from vattn.errors import OutOfSlotsError
 from vattn.paged.block_pool import BlockPool
 from vattn.stats import CacheStats, MappingCounters
+from vattn.validate import exact_int, require_positive_int
 
 
 @dataclass(frozen=True)

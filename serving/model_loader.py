@@ -1,0 +1,52 @@
+"""The model itself: loading a supported checkpoint and reading the shape the KV cache needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+
+
+def load_model(path: str | Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    """A causal LM and its tokenizer from a safetensors folder or a GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, gguf_file = Path(path), None
+    if folder.suffix == ".gguf":
+        folder, gguf_file = folder.parent, folder.name
+    if not folder.is_dir():
+        raise ValueError(f"model folder {str(folder)!r} does not exist")
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype)
+    if model.config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"model type {model.config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    return model.eval(), tokenizer
+
+
+def model_shape(model: Any) -> ModelShape:
+    config = model.config
+    heads = config.num_attention_heads
+    return ModelShape(
+        num_layers=config.num_hidden_layers,
+        num_query_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        vocab_size=config.vocab_size,
+        max_position=config.max_position_embeddings,
+    )
