@@ -19,11 +19,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from serving.engine import LLMEngine
+from serving.config import EngineConfig
+from serving.executor import ModelExecutor
 from serving.outputs import BeamSearchOutput, BeamSequence
 from serving.request import generation_room
 from serving.sampling_params import BeamSearchParams
@@ -77,14 +78,30 @@ class Search:
     done: bool = False
 
 
-class BeamSearch:
-    """Runs the beam searches of several prompts in one continuous batch on an idle engine."""
+class Driven(Protocol):
+    """What beam search borrows from an idle engine: its executor, and how it reads prompts."""
 
-    def __init__(self, engine: LLMEngine, params: BeamSearchParams) -> None:
+    config: EngineConfig
+    executor: ModelExecutor
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    max_context: int
+
+    def has_unfinished(self) -> bool: ...
+
+    def encode(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]: ...
+
+
+class BeamSearch:
+    """Runs the beam searches of several prompts in one continuous batch on an idle engine's
+    executor: a second driver of the same compute path, with its own schedule."""
+
+    def __init__(self, engine: Driven, params: BeamSearchParams) -> None:
         if engine.has_unfinished():
             raise ValueError("beam search needs the engine to itself: finish or abort its requests first")
         self.engine, self.params = engine, params
-        self.kv = engine.kv
+        self.executor = engine.executor
+        self.kv = engine.executor.kv
         self._ends = frozenset() if params.ignore_eos else engine.eos_token_ids
         self._candidates = max(2, 1 + len(engine.eos_token_ids)) * params.beam_width
         config = engine.config
@@ -156,7 +173,7 @@ class BeamSearch:
                 budget -= n
         self.kv.grow({beam.slot: beam.num_computed + n for beam, n in chunks})
         ends = [beam.num_computed + n == len(beam.all_ids) for beam, n in chunks]
-        logits = self.engine.compute([beam for beam, _ in chunks], [n for _, n in chunks], [int(e) for e in ends])
+        logits = self.executor.compute([beam for beam, _ in chunks], [n for _, n in chunks], [int(e) for e in ends])
         finished = [beam for (beam, _), end in zip(chunks, ends, strict=True) if end]
         for beam, row in zip(finished, torch.log_softmax(logits, dim=-1), strict=True):
             beam.next_logprobs = row

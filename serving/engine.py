@@ -1,20 +1,18 @@
 """The engine: requests in, one batched model iteration per step(), tokens and text out.
 
 Data flows one way: engine -> scheduler (what runs, preemption) -> KV store (slots and
-pages) -> allocator -> VMM backend. The engine plans each iteration's attention batch with
-the KV store, and the model runner attends through it.
+pages) -> allocator -> VMM backend; each iteration's compute is the model executor's
+(serving.executor), which beam search (serving.beam_search) drives as well.
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -22,9 +20,9 @@ from torch import Tensor
 from serving.config import EngineConfig
 from serving.default_model import ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
+from serving.executor import ModelExecutor
 from serving.kv_store import KVStore, make_kv_store
 from serving.model_loader import load_model, model_shape
-from serving.model_runner import ModelRunner
 from serving.outputs import RequestOutput, StreamDelta
 from serving.request import (
     Request,
@@ -36,22 +34,12 @@ from serving.request import (
 )
 from serving.sampler import SamplingError, check_satisfiable, sample
 from serving.sampling_params import SamplingParams
-from serving.scheduler import Scheduler
+from serving.scheduler import Scheduler, plan_forks
 from serving.stop_strings import find_stop, held_back
 from serving.structured_output import GrammarCompiler, GrammarError, advance
 from vattn import CacheStats
 
 log = logging.getLogger("vattn.engine")
-
-
-class KVSequence(Protocol):
-    """What `LLMEngine.compute` reads and advances: tokens whose KV a slot holds up to `num_computed`."""
-
-    slot: int | None
-    num_computed: int
-
-    @property
-    def all_ids(self) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -68,6 +56,11 @@ class EngineStats:
 
 
 class LLMEngine:
+    """Continuous batching over the model executor (beam search is the other driver of one)."""
+
+    executor_type: type[ModelExecutor] = ModelExecutor
+    """The compute path; a subclass may stand in its own."""
+
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         model, self.tokenizer = load_model(config.model or ensure_default_model(), config.torch_dtype)
@@ -79,11 +72,7 @@ class LLMEngine:
         self.kv: KVStore = make_kv_store(config, shape, self.max_context)
         """Slots and pages; callers read it through `stats()`, tests inspect the allocator behind it."""
         try:
-            # The weights (loaded on the CPU, in the engine's dtype) go where the KV cache is,
-            # before the runner fuses copies of them there. Only the device changes: the rotary
-            # table's float32 `inv_freq` keeps its precision.
-            model.to(device=self.kv.device)
-            self._runner = ModelRunner(model, shape, self.kv.attend, config.quantization)
+            self.executor = self.executor_type(model, shape, self.kv, config.quantization)
         except BaseException:
             self.kv.close()
             raise
@@ -96,7 +85,6 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self._changed: dict[Request, None] = {}
         """Requests that moved since the last step() returned (ordered, no repeats)."""
-        self._iterations = self._last_iteration_tokens = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -181,8 +169,8 @@ class LLMEngine:
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
             preemptions=scheduler.preemptions,
-            iterations=self._iterations,
-            last_iteration_tokens=self._last_iteration_tokens,
+            iterations=self.executor.iterations,
+            last_iteration_tokens=self.executor.last_iteration_tokens,
             kv=self.kv.stats(),
         )
 
@@ -201,7 +189,7 @@ class LLMEngine:
     def _run(self, requests: list[Request], new_tokens: list[int], samples: list[bool]) -> None:
         starts = [request.num_computed for request in requests]
         rows = [n if r.wants_prompt_logprobs else int(s) for r, n, s in zip(requests, new_tokens, samples, strict=True)]
-        logits = self.compute(requests, new_tokens, rows)
+        logits = self.executor.compute(requests, new_tokens, rows)
         sampled, sample_rows, first = [], [], 0
         for request, start, count, wanted in zip(requests, starts, rows, samples, strict=True):
             if request.wants_prompt_logprobs:
@@ -248,37 +236,6 @@ class LLMEngine:
             top = row.topk(top_n) if top_n else None
             alternatives = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else ()
             request.prompt_logprobs.append(TokenLogprob(token, float(row[token]), alternatives))
-
-    def compute(self, sequences: Sequence[KVSequence], new_tokens: Sequence[int], rows: Sequence[int]) -> Tensor:
-        """One model iteration: sequence i's next `new_tokens[i]` tokens go into its slot (which
-        the caller grew), its `num_computed` advances and the prefix cache learns them. Returns
-        float32 CPU logits `[sum(rows), vocab]` after each of the last `rows[i]` new tokens of
-        sequence i (1: the next token's; 0: none), sequence by sequence."""
-        ids: list[int] = []
-        for sequence, n in zip(sequences, new_tokens, strict=True):
-            ids += sequence.all_ids[sequence.num_computed : sequence.num_computed + n]
-        attention = self.kv.plan([s.slot for s in sequences], new_tokens)  # type: ignore[misc]
-        device = self.kv.device
-        hidden = self._runner.forward(torch.tensor(ids, device=device), attention)
-        for sequence, n in zip(sequences, new_tokens, strict=True):
-            sequence.num_computed += n
-            self.kv.remember(sequence.slot, sequence.all_ids[: sequence.num_computed])  # type: ignore[arg-type]
-        self._iterations += 1
-        self._last_iteration_tokens = len(ids)
-        wanted = [
-            row
-            for i, count in enumerate(rows)
-            for row in range(attention.starts[i + 1] - count, attention.starts[i + 1])
-        ]
-        if not wanted:
-            return torch.empty(0, self.vocab_size)
-        return self._to_host(self._runner.logits(hidden[torch.tensor(wanted, device=device)]))
-
-    def _to_host(self, logits: Tensor) -> Tensor:
-        """The iteration's one device-to-host transfer: the wanted rows' float32 logits, on the KV
-        cache's device, copied to the CPU, where the sampler reads them. (tests/test_cuda_dry_run.py
-        overrides it: its fake CUDA tensors hold no values to copy.)"""
-        return logits.cpu()
 
     def _append(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         """Adds a sampled token, its text, and ends the request if a stop condition is met."""
@@ -341,32 +298,3 @@ class LLMEngine:
 
     def close(self) -> None:
         self.kv.close()
-
-
-def plan_forks(requests: Sequence[Request], min_tokens: int) -> None:
-    """Points each request at the earlier one whose prompt shares the longest prefix with its
-    own, to fork it there: always for an equal prompt, else when `min_tokens` are shared.
-    Both keep at least their last prompt token to compute (its logits are needed)."""
-    earlier: list[tuple[tuple[int, ...], Request]] = []  # sorted: the longest match is a neighbour
-    for request in requests:
-        if request.params.prompt_logprobs is not None:
-            continue  # it computes its whole prompt
-        key = tuple(request.prompt_ids)
-        at = bisect.bisect(earlier, key, key=lambda entry: entry[0])
-        best, point = None, 0
-        for _, other in earlier[max(0, at - 1) : at + 1]:
-            if other.params.cache_salt != request.params.cache_salt:
-                continue  # never shares KV with another tenant
-            shared = _common_prefix(other.prompt_ids, request.prompt_ids)
-            candidate = min(shared, len(other.prompt_ids) - 1, len(request.prompt_ids) - 1)
-            if candidate > point:
-                best, point = other, candidate
-        while best is not None and best.fork_of is not None and best.fork_at >= point:
-            best = best.fork_of  # which computes the prefix itself rather than forking past it
-        if best is not None and (best.prompt_ids == request.prompt_ids or point >= min_tokens):
-            request.fork_of, request.fork_at = best, point
-        earlier.insert(at, (key, request))
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -16,8 +16,10 @@ starts as soon as its first chunk fits, so a request larger than the reserve sti
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from serving.kv_store import KVStore
@@ -164,3 +166,32 @@ class Scheduler:
         if request.slot is not None:
             self.kv.free(request.slot)
             request.slot = None
+
+
+def plan_forks(requests: Sequence[Request], min_tokens: int) -> None:
+    """Points each request at the earlier one whose prompt shares the longest prefix with its
+    own, to fork it there: always for an equal prompt, else when `min_tokens` are shared.
+    Both keep at least their last prompt token to compute (its logits are needed)."""
+    earlier: list[tuple[tuple[int, ...], Request]] = []  # sorted: the longest match is a neighbour
+    for request in requests:
+        if request.params.prompt_logprobs is not None:
+            continue  # it computes its whole prompt
+        key = tuple(request.prompt_ids)
+        at = bisect.bisect(earlier, key, key=lambda entry: entry[0])
+        best, point = None, 0
+        for _, other in earlier[max(0, at - 1) : at + 1]:
+            if other.params.cache_salt != request.params.cache_salt:
+                continue  # never shares KV with another tenant
+            shared = _common_prefix(other.prompt_ids, request.prompt_ids)
+            candidate = min(shared, len(other.prompt_ids) - 1, len(request.prompt_ids) - 1)
+            if candidate > point:
+                best, point = other, candidate
+        while best is not None and best.fork_of is not None and best.fork_at >= point:
+            best = best.fork_of  # which computes the prefix itself rather than forking past it
+        if best is not None and (best.prompt_ids == request.prompt_ids or point >= min_tokens):
+            request.fork_of, request.fork_at = best, point
+        earlier.insert(at, (key, request))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -9,8 +9,8 @@ KV cache's device) and runs real iterations: prefills, a chunked prefill and dec
 several requests, through the embedding, fused projections, rotary, norms, the KV writes
 into the cache, the attention kernel and the LM head, all on fake CUDA tensors.
 
-The fake data enters at one place: `LLMEngine._to_host`, the iteration's one device-to-host
-copy (the logits the sampler reads). `DryRunEngine` overrides it: it checks the tensor it
+The fake data enters at one place: `ModelExecutor._to_host`, the iteration's one device-to-host
+copy (the logits the sampler reads). `DryRunExecutor` overrides it: it checks the tensor it
 gets (fake, on cuda, float32, one row per wanted position) and returns deterministic host
 logits of that shape instead, which the real sampler reads. Any other read of device values
 (`.item()`, `.tolist()`) would raise DataDependentOutputException, so a passing run also
@@ -39,7 +39,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorDeviceMismatchEr
 from torch.utils import _pytree as pytree
 
 from serving.config import EngineConfig
-from serving.engine import KVSequence, LLMEngine
+from serving.engine import LLMEngine
+from serving.executor import KVSequence, ModelExecutor
 from serving.linear import DenseLinear
 from serving.model_runner import Norm
 from serving.sampling_params import SamplingParams
@@ -173,18 +174,19 @@ def engine_config(cache: str, **overrides: Any) -> EngineConfig:
     return EngineConfig(**{**fields_, **overrides})
 
 
-class DryRunEngine(LLMEngine):
-    """The engine as it is, but for `_to_host` (see the module docstring); it records what each
+class DryRunExecutor(ModelExecutor):
+    """The executor as it is, but for `_to_host` (see the module docstring); it records what each
     iteration computed: per sequence, (tokens computed before, new tokens, prompt length)."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
-        self.iterations: list[list[tuple[int, int, int]]] = []
-        self.token = self.tokenizer.encode(TOKEN_TEXT, add_special_tokens=False)[0]
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.batches: list[list[tuple[int, int, int]]] = []
+        self.token = 0
+        """What the substituted logits choose (set by the engine, which has the tokenizer)."""
         self._rows = 0
 
     def compute(self, sequences: Sequence[KVSequence], new_tokens: Sequence[int], rows: Sequence[int]) -> Tensor:
-        self.iterations.append(
+        self.batches.append(
             [(s.num_computed, n, len(s.prompt_ids)) for s, n in zip(sequences, new_tokens, strict=True)]  # type: ignore[attr-defined]
         )
         self._rows = sum(rows)
@@ -200,9 +202,24 @@ class DryRunEngine(LLMEngine):
         return host
 
 
+class DryRunEngine(LLMEngine):
+    """The engine as it is, on the dry-run executor."""
+
+    executor_type = DryRunExecutor
+    executor: DryRunExecutor
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.token = self.executor.token = self.tokenizer.encode(TOKEN_TEXT, add_special_tokens=False)[0]
+
+    @property
+    def iterations(self) -> list[list[tuple[int, int, int]]]:
+        return self.executor.batches
+
+
 def device_tensors(engine: LLMEngine) -> dict[str, Tensor]:
     """Every tensor the model runner computes with, by name."""
-    runner = engine._runner
+    runner = engine.executor.runner
     found = dict(runner._body.named_parameters()) | dict(runner._body.named_buffers())
     found |= {"final_norm": runner._final_norm.weight, "lm_head": runner._lm_head.weight}  # type: ignore[attr-defined]
     for index, layer in enumerate(runner._layers):

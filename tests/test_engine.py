@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 from serving import LLM, SamplingParams
 from serving.default_model import default_gguf, ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
-from serving.engine import plan_forks
 from serving.request import Request
+from serving.scheduler import plan_forks
 from serving.structured_output import StructuredOutput
 
 PROMPTS = [

@@ -1,0 +1,74 @@
+"""The model executor: one batched model iteration over the KV store, for every driver.
+
+It owns the KV store's compute side and the model runner. The continuous-batching engine
+(serving.engine) and beam search (serving.beam_search) each decide what runs and drive it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from serving.kv_store import KVStore
+from serving.model_loader import ModelShape
+from serving.model_runner import ModelRunner
+
+
+class KVSequence(Protocol):
+    """What `ModelExecutor.compute` reads and advances: tokens whose KV a slot holds up to `num_computed`."""
+
+    slot: int | None
+    num_computed: int
+
+    @property
+    def all_ids(self) -> list[int]: ...
+
+
+class ModelExecutor:
+    """The model on the KV store's device, and the iterations it has run."""
+
+    def __init__(self, model: Any, shape: ModelShape, kv: KVStore, quantization: str) -> None:
+        # The weights (loaded on the CPU, in the engine's dtype) go where the KV cache is,
+        # before the runner fuses copies of them there. Only the device changes: the rotary
+        # table's float32 `inv_freq` keeps its precision.
+        model.to(device=kv.device)
+        self.kv = kv
+        self.runner = ModelRunner(model, shape, kv.attend, quantization)
+        self.vocab_size = shape.vocab_size
+        self.iterations = 0
+        self.last_iteration_tokens = 0
+        """Tokens the last iteration computed (its prompt chunks and decodes)."""
+
+    def compute(self, sequences: Sequence[KVSequence], new_tokens: Sequence[int], rows: Sequence[int]) -> Tensor:
+        """One model iteration: sequence i's next `new_tokens[i]` tokens go into its slot (which
+        the caller grew), its `num_computed` advances and the prefix cache learns them. Returns
+        float32 CPU logits `[sum(rows), vocab]` after each of the last `rows[i]` new tokens of
+        sequence i (1: the next token's; 0: none), sequence by sequence."""
+        ids: list[int] = []
+        for sequence, n in zip(sequences, new_tokens, strict=True):
+            ids += sequence.all_ids[sequence.num_computed : sequence.num_computed + n]
+        attention = self.kv.plan([s.slot for s in sequences], new_tokens)  # type: ignore[misc]
+        device = self.kv.device
+        hidden = self.runner.forward(torch.tensor(ids, device=device), attention)
+        for sequence, n in zip(sequences, new_tokens, strict=True):
+            sequence.num_computed += n
+            self.kv.remember(sequence.slot, sequence.all_ids[: sequence.num_computed])  # type: ignore[arg-type]
+        self.iterations += 1
+        self.last_iteration_tokens = len(ids)
+        wanted = [
+            row
+            for i, count in enumerate(rows)
+            for row in range(attention.starts[i + 1] - count, attention.starts[i + 1])
+        ]
+        if not wanted:
+            return torch.empty(0, self.vocab_size)
+        return self._to_host(self.runner.logits(hidden[torch.tensor(wanted, device=device)]))
+
+    def _to_host(self, logits: Tensor) -> Tensor:
+        """The iteration's one device-to-host transfer: the wanted rows' float32 logits, on the KV
+        cache's device, copied to the CPU, where the sampler reads them. (the CUDA dry run's
+        executor overrides it: its fake CUDA tensors hold no values to copy.)"""
+        return logits.cpu()
