@@ -210,7 +210,7 @@ def token_writer(cache: KVCache, reqids: list[int], lengths: list[int], indexed:
         index = (slots, first + it)
         held = cache.pin(reqids)  # noqa: F841  # no slot of these requests is unmapped meanwhile
         for layer in range(cfg.num_layers):
-            keys, values = cache._layer_tensors(layer)
+            keys, values = cache.layer_tensors(layer)
             keys.index_put_(index, tokens)
             values.index_put_(index, tokens)
 

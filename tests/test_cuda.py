@@ -116,7 +116,7 @@ def test_data_survives_page_boundaries_frees_and_reuse(make_cuda_cache: Callable
 
 def test_virtual_tensors_are_gpu_tensors_over_the_reservation(make_cuda_cache: Callable[..., KVCache]) -> None:
     cache = make_cuda_cache()
-    keys, _ = cache._layer_tensors(0)
+    keys, _ = cache.layer_tensors(0)
     assert keys.device.type == "cuda" and keys.shape == (4, 4096, 8, 128)
     assert keys.data_ptr() % cache.backend.granularity == 0
     assert cache.stats().mapped_bytes <= PAGE * cache.config.num_buffers  # at most the eager page step

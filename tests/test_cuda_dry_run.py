@@ -271,7 +271,7 @@ def test_engine_iterations_on_cuda(fake_cuda: FakeCudaMode, cache_kind: str) -> 
                 expected = torch.float32 if name.endswith("inv_freq") else torch.bfloat16
                 assert tensor.dtype == expected, f"{name}: {tensor.dtype}"  # rotary tables keep their precision
             store: Any = engine.kv
-            layer_kv = store._kernel._layer_kv(0) if cache_kind == "paged" else store.cache._layer_tensors(0)
+            layer_kv = store._kernel._layer_kv(0) if cache_kind == "paged" else store.cache.layer_tensors(0)
             assert all(t.device.type == "cuda" for t in layer_kv)
 
             params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)

@@ -27,7 +27,7 @@ def test_slot_pages_are_views_of_each_slots_tokens(make_cache: Callable[..., KVC
     for reqid in reqids:
         keys, _ = cache.kv(1, reqid)
         keys.copy_(torch.arange(keys.numel(), dtype=torch.float32).reshape(keys.shape) + 1000 * reqid)
-    whole, _ = cache._layer_tensors(1)
+    whole, _ = cache.layer_tensors(1)
     pages, per_slot = slot_pages(whole, 16)
     assert pages.data_ptr() == whole.data_ptr() and per_slot >= 256 // 16
     indptr, indices, last = page_table(tuple(reqids), (100, 100, 100), per_slot, 16)

@@ -156,7 +156,7 @@ class AttentionKernel(ABC):
 
     def _layer_kv(self, layer: int) -> tuple[Tensor, Tensor]:
         """The layer's K and V tensors, as `_forward` reads them."""
-        return self.cache._layer_tensors(layer)
+        return self.cache.layer_tensors(layer)
 
     @abstractmethod
     def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

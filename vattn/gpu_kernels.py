@@ -244,7 +244,7 @@ class FlashInferPagedKernel(AttentionKernel):
         super().__init__(cache, num_query_heads)
         require_gpu(cache.device, self.name)
         require_half_precision(cache.config.dtype, self.name)
-        keys, _ = cache._layer_tensors(0)
+        keys, _ = cache.layer_tensors(0)
         _, self._pages_per_slot = slot_pages(keys, FLASHINFER_PAGE_TOKENS)  # refuses a layout it cannot page
         flashinfer = import_flashinfer(self.name)
         tensor_cores = decode_uses_tensor_cores(num_query_heads, cache.config.num_kv_heads)

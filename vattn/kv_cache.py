@@ -286,10 +286,10 @@ class KVCache:
             self._check_open()
             return self._lease([self._active_slot(reqid) for reqid in reqids])
 
-    def _layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's whole K and V virtual tensors, `[max_slots, max_context, kv_heads, head_dim]`.
 
-        Only for vattn.kernels, within an iteration whose batch holds a `pin` of its
+        For the attention kernels, within an iteration whose batch holds a `pin` of its
         requests: the kernels index rows by reqid and bound every access by `lengths()`.
         Anything else in these tensors may be unmapped or another request's.
         """
