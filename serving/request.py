@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from serving.detokenizer import IncrementalDetokenizer
+from serving.invalid_field import InvalidField
 from serving.sampling_params import SamplingParams
 from vattn.validate import is_int
 
@@ -24,13 +25,13 @@ def prompt_token_ids(tokenizer: Any, prompt: object, add_special_tokens: bool = 
     """A prompt's text (None when given as ids) and its token ids; ValueError if empty or mistyped."""
     if isinstance(prompt, str):
         if not prompt:
-            raise ValueError("the prompt is empty")
+            raise InvalidField("prompt", "the prompt is empty")
         return prompt, tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     ids = list(prompt) if isinstance(prompt, list | tuple) else None
     if ids is None or not all(is_int(t) for t in ids):
-        raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        raise InvalidField("prompt", f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
     if not ids:
-        raise ValueError("the prompt is empty")
+        raise InvalidField("prompt", "the prompt is empty")
     return None, ids
 
 
@@ -39,15 +40,16 @@ def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
     anything (the engine, an echo) decodes the ids."""
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {bad}")
+        raise InvalidField("prompt", f"prompt token ids must be in [0, {vocab_size}), got {bad}")
 
 
 def generation_room(prompt_tokens: int, max_context: int) -> int:
     """Tokens a prompt leaves for generation; ValueError when it leaves none."""
     if prompt_tokens >= max_context:
-        raise ValueError(
+        raise InvalidField(
+            "prompt",
             f"the prompt has {prompt_tokens} tokens but the max context is {max_context} tokens "
-            "(prompt plus at least one generated token)"
+            "(prompt plus at least one generated token)",
         )
     return max_context - prompt_tokens
 

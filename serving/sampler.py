@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from serving.invalid_field import InvalidField
 from serving.request import Request, TokenLogprob
 from serving.sampling_params import SamplingParams
 from serving.structured_output import allowed_next, mask_disallowed
@@ -70,14 +71,15 @@ def check_satisfiable(params: SamplingParams, matcher: Any, eos_token_ids: Colle
         allowed = torch.zeros(vocab_size, dtype=torch.bool)
         allowed[list(params.allowed_token_ids)] = True
         if not (possible & allowed).any():
-            raise ValueError(
+            raise InvalidField(
+                "allowed_token_ids",
                 f"allowed_token_ids holds only EOS or stop tokens, which min_tokens={params.min_tokens} "
-                "forbids before then: no token can be generated"
+                "forbids before then: no token can be generated",
             )
         possible &= allowed
     if matcher is not None and not (possible & allowed_next(matcher, vocab_size)).any():
         field = "allowed_token_ids" if params.allowed_token_ids is not None else "min_tokens"
-        raise ValueError(f"{field} leaves no token that the structured output allows to begin with")
+        raise InvalidField(field, f"{field} leaves no token that the structured output allows to begin with")
 
 
 class SamplingError(Exception):

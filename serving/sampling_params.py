@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from serving.invalid_field import InvalidField
 from serving.structured_output import StructuredOutput
 from vattn.validate import is_int
 
@@ -61,67 +62,78 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidField("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+            raise InvalidField("temperature", f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidField("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise InvalidField("top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
-            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
+            raise InvalidField("seed", f"seed must be a 64-bit signed integer, got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, tuple | list) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise InvalidField("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+            raise InvalidField("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         if any(len(s) > MAX_STOP_LENGTH for s in stop):
-            raise ValueError(f"stop strings must be at most {MAX_STOP_LENGTH} characters long")
+            raise InvalidField("stop", f"stop strings must be at most {MAX_STOP_LENGTH} characters long")
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
         if not isinstance(ids, tuple | list) or not all(is_int(t) and t >= 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+            raise InvalidField("stop_token_ids", f"stop_token_ids must be a list of token ids, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise InvalidField("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (
             not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
-            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+            raise InvalidField(
+                "prompt_logprobs",
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
+            )
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+            raise InvalidField(
+                "min_tokens", f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_number(value := getattr(self, name)) or not -2 <= value <= 2:
-                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+                raise InvalidField(name, f"{name} must be a number in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+            raise InvalidField(
+                "repetition_penalty", f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}"
+            )
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise InvalidField("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.logit_bias is not None:
             bias = self.logit_bias
             if not isinstance(bias, Mapping):
-                raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+                raise InvalidField("logit_bias", f"logit_bias must map token ids to numbers, got {bias!r}")
             bad = next((t for t in bias if not is_int(t) or t < 0), None)
             if bad is not None:
-                raise ValueError(f"logit_bias must map token ids to numbers: {bad!r} is not a token id")
+                raise InvalidField("logit_bias", f"logit_bias must map token ids to numbers: {bad!r} is not a token id")
             if not all(_is_number(b) and -100 <= b <= 100 for b in bias.values()):
-                raise ValueError("logit_bias values must be numbers in [-100, 100]")
+                raise InvalidField("logit_bias", "logit_bias values must be numbers in [-100, 100]")
             object.__setattr__(self, "logit_bias", dict(bias))
         if self.allowed_token_ids is not None:
             allowed = self.allowed_token_ids
             if not isinstance(allowed, tuple | list) or not allowed or not all(is_int(t) and t >= 0 for t in allowed):
-                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}")
+                raise InvalidField(
+                    "allowed_token_ids", f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}"
+                )
             object.__setattr__(self, "allowed_token_ids", tuple(allowed))
 
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+            raise InvalidField("cache_salt", f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """ValueError naming the field if a token id it lists is not in the vocabulary."""
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
             bad = next((t for t in getattr(self, name) or () if t >= vocab_size), None)
             if bad is not None:
-                raise ValueError(f"{name} must hold token ids in [0, {vocab_size}): {bad} is not in the vocabulary")
+                raise InvalidField(
+                    name, f"{name} must hold token ids in [0, {vocab_size}): {bad} is not in the vocabulary"
+                )
 
     @property
     def penalized(self) -> bool:
@@ -145,8 +157,8 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         if not is_int(self.beam_width) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+            raise InvalidField("beam_width", f"beam_width must be an integer >= 1, got {self.beam_width!r}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidField("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_number(self.length_penalty):
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+            raise InvalidField("length_penalty", f"length_penalty must be a finite number, got {self.length_penalty!r}")

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from serving.invalid_field import STRUCTURED_OUTPUT, InvalidField
+
 KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 """Our kinds and llguidance's format names for them (`grammar`: Lark, or GBNF as llama.cpp writes it)."""
 
@@ -32,9 +34,13 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+            raise InvalidField(
+                STRUCTURED_OUTPUT, f"structured output kind must be one of {', '.join(KINDS)}, got {self.kind!r}"
+            )
         if not isinstance(self.spec, str) or not self.spec:
-            raise ValueError("structured output needs a non-empty schema, regex, choice list or grammar")
+            raise InvalidField(
+                STRUCTURED_OUTPUT, "structured output needs a non-empty schema, regex, choice list or grammar"
+            )
 
     @classmethod
     def json_schema(cls, schema: Any) -> StructuredOutput:
@@ -44,7 +50,9 @@ class StructuredOutput:
     @classmethod
     def choice(cls, choices: list[str]) -> StructuredOutput:
         if not choices or not all(isinstance(c, str) and c for c in choices):
-            raise ValueError("structured output choices must be a non-empty list of non-empty strings")
+            raise InvalidField(
+                STRUCTURED_OUTPUT, "structured output choices must be a non-empty list of non-empty strings"
+            )
         return cls("choice", json.dumps(choices))
 
 
@@ -106,17 +114,21 @@ def _compile(output: StructuredOutput, tokenizer: Any) -> Any:
 
     if len(output.spec) > MAX_SPEC_CHARS:
         size, limit = len(output.spec), MAX_SPEC_CHARS
-        raise ValueError(f"structured output: the {output.kind} has {size} characters, over the limit of {limit}")
+        raise InvalidField(
+            STRUCTURED_OUTPUT, f"structured output: the {output.kind} has {size} characters, over the limit of {limit}"
+        )
     try:
         grammar = llguidance.grammar_from(KINDS[output.kind], output.spec)
     except ValueError as error:
-        raise ValueError(f"structured output: {error}") from error
+        raise InvalidField(STRUCTURED_OUTPUT, f"structured output: {error}") from error
     limits = llguidance.LLParserLimits(verbose_errors=False)  # llguidance's default bounds, no grammar in messages
     if error := llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits):
-        raise ValueError(f"structured output: the {output.kind} is not valid: {error.strip()}")
+        raise InvalidField(STRUCTURED_OUTPUT, f"structured output: the {output.kind} is not valid: {error.strip()}")
     matcher = llguidance.LLMatcher(tokenizer, grammar, limits=limits)
     if matcher.is_error():
-        raise ValueError(f"structured output: the {output.kind} cannot be used: {matcher.get_error()}")
+        raise InvalidField(
+            STRUCTURED_OUTPUT, f"structured output: the {output.kind} cannot be used: {matcher.get_error()}"
+        )
     return matcher
 
 

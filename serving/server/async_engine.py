@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
+from serving.invalid_field import STRUCTURED_OUTPUT, InvalidField
 from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
 from serving.server.errors import NotReadyError, OverloadedError, request_failed
@@ -172,7 +173,9 @@ class AsyncEngine:
             try:
                 await asyncio.wait_for(work, GRAMMAR_SECONDS)
             except asyncio.TimeoutError:
-                raise ValueError(f"structured output: compiling it took over {GRAMMAR_SECONDS:g} s") from None
+                raise InvalidField(
+                    STRUCTURED_OUTPUT, f"structured output: compiling it took over {GRAMMAR_SECONDS:g} s"
+                ) from None
 
     def release_pending(self, count: int) -> None:
         """Gives back the places of `count` requests that have finished or been aborted."""

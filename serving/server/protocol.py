@@ -1,23 +1,25 @@
-"""The OpenAI API's request and response bodies (the subset vattn serves), as pydantic models.
+"""The OpenAI API's request bodies (the subset vattn serves), as pydantic models, and their
+translation into the engine's prompts and SamplingParams (as vLLM's `to_sampling_params`).
 
 Field types are checked here, with the bounds clients should see in the schema taken from
-the same constants; ranges are checked by SamplingParams and the server, so each rule
-lives in one place and its message names the field.
+the same constants; ranges are checked by SamplingParams, so each rule lives in one place.
+Translation raises InvalidField naming the body field it is about.
 """
 
 from __future__ import annotations
 
 import re
-import time
-import uuid
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from serving.chat_template import ROLES
-from serving.sampling_params import MAX_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from serving.invalid_field import STRUCTURED_OUTPUT, InvalidField
+from serving.request import check_prompt_ids, generation_room, prompt_token_ids
+from serving.sampling_params import MAX_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SamplingParams
+from serving.structured_output import StructuredOutput
 
 MAX_N = 8
 """Most choices one request may ask for (n), over all its prompts."""
@@ -86,6 +88,8 @@ nothing: any other value is refused with 400 rather than silently ignored."""
 class SamplingFields(OpenAIBody):
     """Fields both endpoints share; all but OpenAI's own are vLLM's extensions."""
 
+    prompt_field: ClassVar[str] = "prompt"
+    """The field that holds the prompt, for errors about its length."""
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
     best_of: int | None = Field(None, description="only equal to n: best-of selection is not supported")
@@ -140,6 +144,95 @@ class SamplingFields(OpenAIBody):
             raise PydanticCustomError("invalid_unicode", message, {"param": where.removeprefix(".")})
         return self
 
+    def sampling_params(
+        self, prompt_tokens: int, max_context: int, max_tokens: int | None, logprobs: int | None
+    ) -> list[SamplingParams]:
+        """One SamplingParams per choice (seeds seed, seed+1, ...), lengths checked against the context."""
+        try:
+            room = generation_room(prompt_tokens, max_context)
+        except InvalidField as error:
+            raise InvalidField(self.prompt_field, str(error)) from error
+        if max_tokens is None:
+            max_tokens = room
+        elif isinstance(max_tokens, int) and max_tokens > room:
+            raise InvalidField(
+                "max_tokens",
+                f"max_tokens is {max_tokens}, but the prompt has {prompt_tokens} tokens and the maximum context "
+                f"length is {max_context}: at most {room} tokens can be generated",
+            )
+        structured = self.structured_output()
+        return [
+            SamplingParams(
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                seed=None if self.seed is None else self.seed + i,
+                stop=self.stop if self.stop is not None else (),
+                stop_token_ids=self.stop_token_ids or (),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                min_tokens=self.min_tokens,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                logit_bias=_logit_bias(self.logit_bias),
+                allowed_token_ids=self.allowed_token_ids,
+                structured_output=structured,
+                cache_salt=self.cache_salt,
+            )
+            for i in range(self.n)
+        ]
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one grammar the request asks for, through any of OpenAI's or vLLM's fields."""
+        try:
+            found = self._structured_outputs()
+        except InvalidField as error:
+            field = self.structured_field() if error.field == STRUCTURED_OUTPUT else error.field
+            raise InvalidField(field, str(error)) from error
+        if len(found) > 1:
+            raise InvalidField(
+                next(iter(found)), f"only one structured output may be asked for, got {', '.join(found)}"
+            )
+        return next(iter(found.values()), None)
+
+    def _structured_outputs(self) -> dict[str, StructuredOutput]:
+        found: dict[str, StructuredOutput] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found["response_format"] = StructuredOutput.json_schema({"type": "object"})
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise InvalidField("response_format", "response_format of type json_schema needs json_schema")
+            found["response_format"] = StructuredOutput.json_schema(fmt.json_schema.json_schema)
+        if self.guided_json is not None:
+            found["guided_json"] = StructuredOutput.json_schema(self.guided_json)
+        if self.guided_regex is not None:
+            found["guided_regex"] = StructuredOutput("regex", self.guided_regex)
+        if self.guided_choice is not None:
+            found["guided_choice"] = StructuredOutput.choice(self.guided_choice)
+        if self.guided_grammar is not None:
+            found["guided_grammar"] = StructuredOutput("grammar", self.guided_grammar)
+        if (fields := self.structured_outputs) is not None:
+            chosen = {
+                "json": fields.json_ is not None and StructuredOutput.json_schema(fields.json_),
+                "regex": fields.regex is not None and StructuredOutput("regex", fields.regex),
+                "choice": fields.choice is not None and StructuredOutput.choice(fields.choice),
+                "grammar": fields.grammar is not None and StructuredOutput("grammar", fields.grammar),
+                "json_object": bool(fields.json_object) and StructuredOutput.json_schema({"type": "object"}),
+            }
+            found.update({f"structured_outputs.{k}": v for k, v in chosen.items() if v})
+        return found
+
+    def structured_field(self) -> str:
+        """The field that asked for structured output, for errors about its grammar."""
+        for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "structured_outputs"
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -147,6 +240,21 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     add_special_tokens: bool = True
+
+    def prompt_ids(self, tokenizer: Any, vocab_size: int) -> list[list[int]]:
+        """The request's prompts as token ids (one string or id list, or a list of them), each
+        checked against the vocabulary before anything (an echo) decodes it."""
+        prompts = self.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not prompts:
+            raise InvalidField("prompt", "prompt is empty")
+        if len(prompts) * self.n > MAX_N:
+            raise InvalidField("n", f"{len(prompts)} prompts x n={self.n} choices is over the limit of {MAX_N}")
+        ids = [prompt_token_ids(tokenizer, p, self.add_special_tokens)[1] for p in prompts]
+        for prompt in ids:
+            check_prompt_ids(prompt, vocab_size)
+        return ids
 
 
 class TextPart(OpenAIBody):
@@ -164,6 +272,7 @@ class ChatMessage(OpenAIBody):
 
 
 class ChatCompletionRequest(SamplingFields):
+    prompt_field: ClassVar[str] = "messages"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -194,19 +303,15 @@ def _lone_surrogate(value: object) -> str | None:
     return None
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """OpenAI's usage object; `cached_tokens` are prompt tokens served from the prefix cache."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    if bias is None:
+        return None
+    parsed = {}
+    for token, value in bias.items():
+        try:
+            parsed[int(token)] = value
+        except ValueError as error:
+            message = f"logit_bias keys must be token ids (integers as strings): {token!r} is not one"
+            raise InvalidField("logit_bias", message) from error
+    return parsed

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,11 +14,28 @@ from typing import Any
 from serving.request import TokenLogprob
 from serving.server.async_engine import RequestGroup
 from serving.server.errors import APIError, NotReadyError, error_body
-from serving.server.protocol import new_id, now, usage
 
 log = logging.getLogger("vattn.serve")
 PromptLogprobs = tuple[list[int], list[TokenLogprob | None]]
 """An echoed prompt's token ids and their logprobs (None for the first)."""
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` are prompt tokens served from the prefix cache."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 class ResponseShape(ABC):

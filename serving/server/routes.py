@@ -7,21 +7,21 @@ from collections.abc import Awaitable
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
 from serving.chat_template import chat_prompt_ids
-from serving.request import check_prompt_ids, generation_room, prompt_token_ids
+from serving.invalid_field import STRUCTURED_OUTPUT, InvalidField
 from serving.sampling_params import SamplingParams
 from serving.server.async_engine import AsyncEngine, RequestGroup
 from serving.server.errors import APIError, NotReadyError, error_response
 from serving.server.metrics import ServerMetrics
-from serving.server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest, SamplingFields, now
-from serving.server.responses import ChatCompletions, Completions, ResponseShape, sse
-from serving.structured_output import StructuredOutput
+from serving.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from serving.server.responses import ChatCompletions, Completions, ResponseShape, now, sse
 
 T = TypeVar("T")
 
@@ -71,10 +71,13 @@ def v1_routes(engine: AsyncEngine, model_name: str) -> APIRouter:
         return {"object": "list", "data": [{**card, "max_model_len": engine.max_context}]}
 
     @router.post("/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
         _check_common(body, model_name, engine)
-        prompts = _completion_prompts(engine, body.prompt, body.n, body.add_special_tokens)
-        params = [_sampling_params(body, body.max_tokens, body.logprobs, engine, p, "prompt") for p in prompts]
+        try:
+            prompts = body.prompt_ids(engine.tokenizer, engine.vocab_size)
+            params = [body.sampling_params(len(p), engine.max_context, body.max_tokens, body.logprobs) for p in prompts]
+        except InvalidField as error:
+            raise field_error(error, body) from error
         if body.echo and body.logprobs is not None:  # the echoed prompt's tokens come with their logprobs
             params = [[replace(p, prompt_logprobs=body.logprobs) for p in choices] for choices in params]
         echoes = [engine.tokenizer.decode(p) for p in prompts] if body.echo else None
@@ -82,7 +85,7 @@ def v1_routes(engine: AsyncEngine, model_name: str) -> APIRouter:
         return await _respond(engine, request, body, shape, prompts, params)
 
     @router.post("/chat/completions", response_model=None)
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
         _check_common(body, model_name, engine)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -102,7 +105,10 @@ def v1_routes(engine: AsyncEngine, model_name: str) -> APIRouter:
             raise APIError(400, str(error), param="messages") from error
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = [_sampling_params(body, max_tokens, logprobs, engine, prompt, "messages")]
+        try:
+            params = [body.sampling_params(len(prompt), engine.max_context, max_tokens, logprobs)]
+        except InvalidField as error:
+            raise field_error(error, body) from error
         echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
         shape = ChatCompletions(engine.tokenizer, model_name, body.n, [prompt], body.logprobs, [echo])
         return await _respond(engine, request, body, shape, [prompt], params)
@@ -130,144 +136,17 @@ def _ready(engine: AsyncEngine) -> None:
         raise NotReadyError(engine.not_ready_reason())
 
 
-def _completion_prompts(
-    engine: AsyncEngine, prompt: str | list[int] | list[str] | list[list[int]], n: int, add_special_tokens: bool
-) -> list[list[int]]:
-    """The request's prompts as token ids: one string or id list, or a list of them."""
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        prompt = [prompt]  # type: ignore[list-item]
-    if not prompt:
-        raise APIError(400, "prompt is empty", param="prompt")
-    if len(prompt) * n > MAX_N:
-        raise APIError(400, f"{len(prompt)} prompts x n={n} choices is over the limit of {MAX_N}", param="n")
-    try:
-        ids = [prompt_token_ids(engine.tokenizer, p, add_special_tokens)[1] for p in prompt]
-        for prompt_ids in ids:
-            check_prompt_ids(prompt_ids, engine.vocab_size)  # before an echo decodes them
-    except ValueError as error:
-        raise APIError(400, str(error), param="prompt") from error
-    return ids
-
-
-def _sampling_params(
-    body: SamplingFields,
-    max_tokens: int | None,
-    logprobs: int | None,
-    engine: AsyncEngine,
-    prompt: list[int],
-    prompt_field: str,
-) -> list[SamplingParams]:
-    """One SamplingParams per choice (seeds seed, seed+1, ...); checks lengths against the context."""
-    try:
-        room = generation_room(len(prompt), engine.max_context)
-    except ValueError as error:
-        raise APIError(400, str(error), param=prompt_field) from error
-    if max_tokens is None:
-        max_tokens = room
-    elif isinstance(max_tokens, int) and max_tokens > room:
-        raise APIError(
-            400,
-            f"max_tokens is {max_tokens}, but the prompt has {len(prompt)} tokens and the maximum context "
-            f"length is {engine.max_context}: at most {room} tokens can be generated",
-            param="max_tokens",
-        )
-    stop = body.stop if body.stop is not None else ()
-    structured = _structured_output(body)
-    try:
-        return [
-            SamplingParams(
-                max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                min_p=body.min_p,
-                seed=None if body.seed is None else body.seed + i,
-                stop=stop,
-                stop_token_ids=body.stop_token_ids or (),
-                ignore_eos=body.ignore_eos,
-                logprobs=logprobs,
-                min_tokens=body.min_tokens,
-                presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty,
-                logit_bias=_logit_bias(body.logit_bias),
-                allowed_token_ids=body.allowed_token_ids,
-                structured_output=structured,
-                cache_salt=body.cache_salt,
-            )
-            for i in range(body.n)
-        ]
-    except ValueError as error:
-        message = str(error)
-        raise APIError(400, message, param=message.split(" ", 1)[0]) from error
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias keys are token ids written as strings."""
-    if bias is None:
-        return None
-    parsed = {}
-    for token, value in bias.items():
-        try:
-            parsed[int(token)] = value
-        except ValueError as error:
-            message = f"logit_bias keys must be token ids (integers as strings): {token!r} is not one"
-            raise APIError(400, message, param="logit_bias") from error
-    return parsed
-
-
-def _structured_output(body: SamplingFields) -> StructuredOutput | None:
-    """The one grammar the request asks for, through any of OpenAI's or vLLM's fields."""
-    try:
-        found = _structured_outputs(body)
-    except ValueError as error:
-        raise APIError(400, str(error), param=structured_field(body)) from error
-    if len(found) > 1:
-        names = ", ".join(found)
-        raise APIError(400, f"only one structured output may be asked for, got {names}", param=next(iter(found)))
-    return next(iter(found.values()), None)
-
-
-def _structured_outputs(body: SamplingFields) -> dict[str, StructuredOutput]:
-    found: dict[str, StructuredOutput] = {}
-    fmt = body.response_format
-    if fmt is not None and fmt.type == "json_object":
-        found["response_format"] = StructuredOutput.json_schema({"type": "object"})
-    elif fmt is not None and fmt.type == "json_schema":
-        if fmt.json_schema is None:
-            raise APIError(400, "response_format of type json_schema needs json_schema", param="response_format")
-        found["response_format"] = StructuredOutput.json_schema(fmt.json_schema.json_schema)
-    if body.guided_json is not None:
-        found["guided_json"] = StructuredOutput.json_schema(body.guided_json)
-    if body.guided_regex is not None:
-        found["guided_regex"] = StructuredOutput("regex", body.guided_regex)
-    if body.guided_choice is not None:
-        found["guided_choice"] = StructuredOutput.choice(body.guided_choice)
-    if body.guided_grammar is not None:
-        found["guided_grammar"] = StructuredOutput("grammar", body.guided_grammar)
-    if (fields := body.structured_outputs) is not None:
-        chosen = {
-            "json": fields.json_ is not None and StructuredOutput.json_schema(fields.json_),
-            "regex": fields.regex is not None and StructuredOutput("regex", fields.regex),
-            "choice": fields.choice is not None and StructuredOutput.choice(fields.choice),
-            "grammar": fields.grammar is not None and StructuredOutput("grammar", fields.grammar),
-            "json_object": bool(fields.json_object) and StructuredOutput.json_schema({"type": "object"}),
-        }
-        found.update({f"structured_outputs.{k}": v for k, v in chosen.items() if v})
-    return found
-
-
-def structured_field(body: SamplingFields) -> str:
-    """The field that asked for structured output, for errors about its grammar."""
-    for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(body, name) is not None:
-            return name
-    return "structured_outputs"
+def field_error(error: InvalidField, body: SamplingFields) -> APIError:
+    """A 400 naming the body field an InvalidField is about (a grammar's: whichever field asked for it)."""
+    if error.field == STRUCTURED_OUTPUT:
+        field = body.structured_field()
+        return APIError(400, f"{field}: {error}", param=field)
+    return APIError(400, str(error), param=error.field)
 
 
 async def _respond(
     engine: AsyncEngine,
-    request: Request,
+    request: HTTPRequest,
     body: SamplingFields,
     shape: ResponseShape,
     prompts: list[list[int]],
@@ -304,17 +183,13 @@ async def _submit(
     compiles) answer 400 naming the field."""
     try:
         return await engine.submit(prompts, params)
-    except ValueError as error:
-        message, first = str(error), str(error).split(" ", 1)[0]
-        if message.startswith("structured output"):
-            param = structured_field(body)
-            message = f"{param}: {message}"
-        else:
-            param = first if first in SamplingParams.__dataclass_fields__ else "prompt"
-        raise APIError(400, message, param=param) from error
+    except InvalidField as error:
+        raise field_error(error, body) from error
+    except ValueError as error:  # the engine's other refusals of input: still the client's, still a 400
+        raise APIError(400, str(error)) from error
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+async def _unless_disconnected(request: HTTPRequest, work: Awaitable[T]) -> T | None:
     """Awaits `work`, or cancels it (aborting its requests) as soon as the client disconnects."""
     task = asyncio.ensure_future(work)
 
