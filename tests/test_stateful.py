@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +30,6 @@ from hypothesis.stateful import (
 from tests.fuzz import FUZZING
 from tests.fuzz import examples as fuzz_examples
 from vattn import KVCache, KVCacheConfig, OutOfPagesError, OutOfSlotsError
-from vattn.slot import Slot
 
 MAX_SLOTS, LAYERS = 6, 3
 operations = 0
@@ -299,29 +297,7 @@ class CacheMachine(RuleBasedStateMachine):
         if self.cache is None:
             return
         cache, config = self.cache, self.cache.config
-        with cache._lock:
-            slots: list[Slot] = cache._slots
-            pool = cache._pool
-            references: Counter[int] = Counter(page for slot in slots for step in slot.pages for page in step)
-            for slot in slots:
-                pages = [page for step in slot.pages for page in step]
-                assert len(pages) == len(set(pages)), "a physical page is mapped twice in one slot"
-            # Two entries may hold one page: a child forked inside a unit of several pages shares
-            # the parent's whole pages before the fork point, and its unit, keyed by other tokens
-            # after it, is cached beside the parent's. Those pages hold the same KV for both.
-            references.update(page for unit in cache._prefix.units() for step in unit.pages for page in step)
-            assert all(pool.refs(page) == count for page, count in references.items()), "a refcount is off"
-            assert len(references) + pool.num_free == pool.capacity
-            assert all(len(step) == config.num_buffers for slot in slots for step in slot.pages)
-            assert {slot.index for slot in slots if slot.active} == set(self.tokens)
-            for slot in slots:
-                assert len(slot.origins) == len(slot.pages)
-                if slot.active:
-                    assert slot.length == len(self.tokens[slot.index])
-                    assert config.pages_for(slot.length) <= len(slot.pages)
-                    assert slot.shared_steps <= len(slot.pages)
-                    writable = slot.pages[slot.shared_steps :]
-                    assert all(pool.refs(page) == 1 for step in writable for page in step), "may write a shared page"
+        assert cache.check_invariants() == {reqid: len(tokens) for reqid, tokens in self.tokens.items()}
         stats = cache.stats()
         assert stats.background_errors == 0, "the background mapper failed (step() mapped synchronously instead)"
         assert stats.mapped_bytes + stats.cached_bytes + stats.free_bytes == config.pool_pages * config.page_size

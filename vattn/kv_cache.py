@@ -2,30 +2,25 @@
 
 from __future__ import annotations
 
-import math
 import os
 import threading
-import time
 import weakref
-from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from vattn.backends import VMMBackend, make_backend
-from vattn.backends.base import MapError
 from vattn.config import KVCacheConfig
-from vattn.errors import OutOfPagesError, OutOfSlotsError
+from vattn.errors import OutOfSlotsError
 from vattn.mapper import BackgroundMapper
 from vattn.memory import CacheMemory, Lease
+from vattn.page_policy import PagePolicy
 from vattn.page_pool import PagePool
-from vattn.prefix_cache import ROOT, CachedUnit, PrefixCache, chain_digest, salted_root
+from vattn.prefix_cache import ROOT, PrefixCache, salted_root, token_ids, unit_digests
 from vattn.slot import Origin, Slot
+from vattn.slot_pages import SlotPages
 from vattn.stats import CacheStats, MappingCounters
-from vattn.validate import exact_int, is_int
-
-Reclaim = tuple[Slot, int] | CachedUnit
-"""Pages that can go: a slot's last page steps (how many), or a prefix-cache entry."""
+from vattn.validate import exact_int
 
 
 class KVCache:
@@ -67,12 +62,11 @@ class KVCache:
             for layer in range(config.num_layers)
         ]
         """Each layer's K and V `[slots, context, kv_heads, head_dim]` virtual tensors, for the kernels."""
-        self._layer_bases = [
-            tuple(self._bases[b] for b in config.kv_buffers(layer)) for layer in range(config.num_layers)
-        ]
         self.device = buffers[0].device
         self._lock = threading.Lock()
         self._counters = MappingCounters()
+        self._pages = SlotPages(config, self.backend, self._pool, self._bases, self._stranded, self._counters)
+        self._policy = PagePolicy(config, self._slots, self._pool, self._prefix, self._pages)
         self._closed = False
         self._mapper = BackgroundMapper(weakref.WeakMethod(self._work_ahead)) if config.background else None
         self._stop_mapper = weakref.finalize(self, self._mapper.close) if self._mapper else None
@@ -86,11 +80,11 @@ class KVCache:
         live view of its last request can still reach)."""
         with self._lock:
             self._check_open()
-            slot = self._next_free_slot()
+            slot = self._policy.next_free_slot()
             if slot is None:
                 held = sum(not s.active and s.pinned() for s in self._slots)
                 raise OutOfSlotsError(self.config.max_slots, held)
-            self._drop_shared_pages(slot)
+            self._pages.drop_shared(slot)
             slot.active, slot.length = True, 0
         self._wake_mapper()
         return slot.index
@@ -121,9 +115,9 @@ class KVCache:
             ]
             if plan:
                 keep = {slot.index: cfg.pages_for(n) for slot, n in targets}
-                self._make_room(sum(missing for _, missing in plan) * width, keep)
-                addrs = self._map(plan, Origin.STEP)
-                self._counters.populate.add(*self._populate(addrs))
+                self._policy.make_room(sum(missing for _, missing in plan) * width, keep)
+                addrs = self._pages.map(plan, Origin.STEP)
+                self._counters.populate.add(*self._pages.populate(addrs))
             already_mapped = (slot.origins[k] is Origin.BACKGROUND for slot, needed in met for k in needed)
             self._counters.count_needs(already_mapped, sum(missing for _, missing in plan))
             for slot, n in targets:
@@ -145,16 +139,16 @@ class KVCache:
             slot = self._active_slot(reqid)
             if slot.length or slot.shared_steps:
                 raise ValueError(f"reqid {slot.index} already holds tokens: match_prefix comes before its first step")
-            tokens = _token_ids(tokens)
+            tokens = token_ids(tokens)
             unit = self.config.unit_tokens
             if salt is not None and (not isinstance(salt, str) or not salt):
                 raise ValueError(f"a cache salt is a non-empty string, got {salt!r}")
             slot.root = salted_root(salt)
-            digests = _unit_digests(tokens, (len(tokens) - 1) // unit, unit, slot.root)
+            digests = unit_digests(tokens, (len(tokens) - 1) // unit, unit, slot.root)
             units = self._prefix.longest_prefix(digests)
             self._prefix.counters.queries += len(tokens)
             if units:
-                self._map_shared(slot, [step for found in units for step in found.pages])
+                self._pages.map_shared(slot, [step for found in units for step in found.pages])
                 slot.length = len(units) * unit
                 slot.shared_steps = len(units) * self.config.unit_steps
                 slot.digests = digests[: len(units)]
@@ -175,9 +169,9 @@ class KVCache:
             full = len(tokens) // unit
             if full <= len(slot.digests):
                 return
-            new = _token_ids(tokens[len(slot.digests) * unit : full * unit])
+            new = token_ids(tokens[len(slot.digests) * unit : full * unit])
             parent = slot.digests[-1] if slot.digests else slot.root
-            for index, digest in enumerate(_unit_digests(new, len(new) // unit, unit, parent), len(slot.digests)):
+            for index, digest in enumerate(unit_digests(new, len(new) // unit, unit, parent), len(slot.digests)):
                 self._prefix.insert(digest, slot.pages[index * steps : (index + 1) * steps])
                 slot.digests.append(digest)
             slot.shared_steps = max(slot.shared_steps, full * steps)
@@ -192,22 +186,20 @@ class KVCache:
         with self._lock:
             self._check_open()
             parent = self._active_slot(reqid)
-            child = self._next_free_slot()
+            child = self._policy.next_free_slot()
             if child is None:
                 raise OutOfSlotsError(cfg.max_slots, sum(not s.active and s.pinned() for s in self._slots))
             written = parent.length * cfg.bytes_per_token
             whole = written // cfg.page_size
             partial = cfg.pages_for(parent.length) - whole
             if child.pages:
-                self._unmap_tail([(child, len(child.pages))])
-            self._make_room(partial * width, {parent.index: len(parent.pages), child.index: 0})
-            self._map_shared(child, parent.pages[:whole])
+                self._pages.unmap_tail([(child, len(child.pages))])
+            self._policy.make_room(partial * width, {parent.index: len(parent.pages), child.index: 0})
+            self._pages.map_shared(child, parent.pages[:whole])
             tail = written - whole * cfg.page_size
             if partial:
-                self._map([(child, 1)], Origin.STEP)
-                for base in self._bases:
-                    source, target = (base + cfg.page_offset(s.index, whole) for s in (parent, child))
-                    self.backend.tensor(target, tail, mapped=True).copy_(self.backend.tensor(source, tail, mapped=True))
+                self._pages.map([(child, 1)], Origin.STEP)
+                self._pages.copy_tail(parent, child, whole, tail)
             self._counters.forks += 1
             self._counters.fork_shared_pages += whole * width
             self._counters.fork_copied_bytes += tail * len(self._bases)
@@ -322,12 +314,12 @@ class KVCache:
         num_tokens = exact_int(num_tokens, "num_tokens", 0, cfg.max_context)
         with self._lock:
             self._check_open()
-            slot = self._next_free_slot()
+            slot = self._policy.next_free_slot()
             if slot is None:
                 return False
             targets = [(slot, num_tokens), *self._validated_lengths(growing or {})]
             missing = sum(max(0, cfg.pages_for(n) - len(s.pages)) for s, n in targets) * cfg.num_buffers
-            return missing <= self._available_pages({s.index: len(s.pages) for s, _ in targets})
+            return missing <= self._policy.available_pages({s.index: len(s.pages) for s, _ in targets})
 
     # ---------------------------------------------------------------- reporting, lifetime
 
@@ -343,7 +335,14 @@ class KVCache:
             self._check_open()
             idle = [(s, len(s.pages)) for s in self._slots if not s.active and s.pages and not s.pinned()]
             if idle:
-                self._unmap_tail(idle)
+                self._pages.unmap_tail(idle)
+
+    def check_invariants(self) -> dict[int, int]:
+        """Raises AssertionError unless every page's references, and every slot's pages, are
+        consistent (see SlotPages.check_invariants); returns each active reqid's length."""
+        with self._lock:
+            self._pages.check_invariants(self._slots, self._prefix)
+            return {slot.index: slot.length for slot in self._slots if slot.active}
 
     def wait_for_background(self, timeout: float | None = None) -> bool:
         """Blocks until the background thread has nothing left to map; False on timeout."""
@@ -376,19 +375,9 @@ class KVCache:
         return exact_int(layer, "layer", 0, self.config.num_layers - 1)
 
     def _views(self, layer: int, slots: list[Slot], length: int, rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V views (`rows_view`) of consecutive slots over storages of their own, which
-        hold a lease on exactly those slots (under the lock)."""
-        cfg = self.config
-        if length == 0:
-            shape = (0, cfg.num_kv_heads, cfg.head_dim) if rows is None else (rows, 0, cfg.num_kv_heads, cfg.head_dim)
-            empty = torch.empty(shape, dtype=cfg.dtype, device=self.device)
-            return empty, empty.clone()
-        lease = self._lease(slots)
-        offset, nbytes = slots[0].index * cfg.slot_stride, cfg.rows_bytes(rows or 1, length)
-        k_base, v_base = self._layer_bases[layer]
-        k = self.backend.tensor(k_base + offset, nbytes, lease, True, cfg.dtype)
-        v = self.backend.tensor(v_base + offset, nbytes, lease, True, cfg.dtype)
-        return cfg.rows_view(k, layer, length, rows), cfg.rows_view(v, layer, length, rows)
+        if self._memory is None:
+            raise RuntimeError("this KVCache is closed")
+        return self._memory.views(layer, slots, length, rows, self.device)
 
     def _lease(self, slots: list[Slot]) -> Lease:
         if self._memory is None:
@@ -421,169 +410,9 @@ class KVCache:
             targets[slot.index] = (slot, exact_int(length, name, frozen, self.config.max_context))
         return list(targets.values())
 
-    def _next_free_slot(self) -> Slot | None:
-        """The slot alloc_reqid hands out next: most pages mapped, then lowest index."""
-        free = (slot for slot in self._slots if not slot.active and not slot.leases)  # leases: pinned
-        return max(free, key=lambda slot: (len(slot.pages), -slot.index), default=None)
-
     def _frozen_tokens(self, slot: Slot) -> int:
         """The first token that lies wholly after the slot's shared page steps."""
         return -(-slot.shared_steps * self.config.page_size // self.config.bytes_per_token)
-
-    def _drop_shared_pages(self, slot: Slot) -> None:
-        """Before a free slot takes a new request: unmaps its pages from the first one that
-        anything else maps (the prefix cache, a fork) on, so the request writes only its own."""
-        shared = next((k for k, step in enumerate(slot.pages) if self._pool.refs(step[0]) > 1), None)
-        if shared is not None:
-            self._unmap_tail([(slot, len(slot.pages) - shared)])
-
-    def _map_shared(self, slot: Slot, steps: list[list[int]]) -> None:
-        """Maps already referenced page steps as the slot's first ones, in place of any own
-        pages it has there (one more reference each)."""
-        if not steps:
-            return
-        count = len(steps)
-        replaced = min(count, len(slot.pages))
-        if replaced:
-            self.backend.unmap(self._page_addrs(slot, 0, replaced))
-            self._pool.give_back(page for step in slot.pages[:replaced] for page in step)
-        pages = [page for step in steps for page in step]
-        self._pool.share(pages)
-        addrs = self._page_addrs(slot, 0, count)
-        try:
-            self._map_pages(addrs, pages)
-        except BaseException:  # the slot's pages must stay a prefix: its own ones after the gap go too
-            if rest := len(slot.pages) - replaced:
-                self.backend.unmap(self._page_addrs(slot, replaced, rest))
-                self._pool.give_back(page for step in slot.pages[replaced:] for page in step)
-            slot.pages.clear()
-            slot.origins.clear()
-            raise
-        slot.pages[:replaced] = [list(step) for step in steps[:replaced]]
-        slot.pages += [list(step) for step in steps[replaced:]]
-        slot.origins[:replaced] = [Origin.SHARED] * replaced
-        slot.origins += [Origin.SHARED] * (count - replaced)
-
-    def _page_addrs(self, slot: Slot, first: int, count: int) -> list[int]:
-        """Addresses of page steps first..first+count of a slot, page by page, tensor by tensor."""
-        offsets = [self.config.page_offset(slot.index, k) for k in range(first, first + count)]
-        return [base + offset for offset in offsets for base in self._bases]
-
-    def _map(self, plan: list[tuple[Slot, int]], origin: Origin) -> list[int]:
-        """Maps `count` more page steps behind each slot in one batch; returns the addresses."""
-        width = self.config.num_buffers
-        addrs = [a for slot, count in plan for a in self._page_addrs(slot, len(slot.pages), count)]
-        pages = self._pool.take(len(addrs))
-        self._map_pages(addrs, pages)
-        taken = iter(pages)
-        for slot, count in plan:
-            for _ in range(count):
-                slot.pages.append([next(taken) for _ in range(width)])
-                slot.origins.append(origin)
-        return addrs
-
-    def _map_pages(self, addrs: list[int], pages: list[int]) -> None:
-        """One batched map call of referenced pages; on failure their references are dropped,
-        but those of pages left mapped somewhere (never to be handed out again). An address a
-        failed rollback left mapped is unmapped first (a GPU driver refuses to map over it)."""
-        started = time.perf_counter()
-        if stale := [addr for addr in addrs if addr in self._stranded]:
-            self.backend.unmap(stale)
-            self._stranded[:] = [addr for addr in self._stranded if addr not in stale]
-        try:
-            self.backend.map(addrs, pages)
-        except MapError as exc:
-            stranded = set(exc.stranded)
-            self._stranded += exc.stranded
-            self._pool.give_back([page for addr, page in zip(addrs, pages, strict=True) if addr not in stranded])
-            raise
-        except BaseException:
-            self._pool.give_back(pages)
-            raise
-        self._counters.map.add(len(pages), time.perf_counter() - started)
-
-    def _unmap_tail(self, plan: list[tuple[Slot, int]]) -> None:
-        """Unmaps the last `count` page steps of each slot in one batch; pages go back to the pool."""
-        addrs, pages = [], []
-        for slot, count in plan:
-            first = len(slot.pages) - count
-            addrs += self._page_addrs(slot, first, count)
-            pages += [page for step in slot.pages[first:] for page in step]
-        started = time.perf_counter()
-        self.backend.unmap(addrs)
-        self._counters.unmap.add(len(pages), time.perf_counter() - started)
-        for slot, count in plan:
-            del slot.pages[len(slot.pages) - count :]
-            del slot.origins[len(slot.origins) - count :]
-        self._pool.give_back(pages)
-
-    def _populate(self, addrs: list[int]) -> tuple[int, float]:
-        """Pre-faults mapped pages; returns (pages done, seconds) for `counters.populate`."""
-        started = time.perf_counter()
-        return self.backend.populate(addrs), time.perf_counter() - started
-
-    def _reclaimable(self, keep: Mapping[int, int], for_step: bool) -> list[Reclaim]:
-        """What can go, cheapest loss first: idle slots' pages (the next reqid's last); for a
-        step, also prefix-cache entries (least recently used first, before the next reqid's
-        pages) and active slots' pages past what they need. `keep` overrides what a slot
-        needs. Slots that live views hold keep every page."""
-        nxt = self._next_free_slot()
-        idle = sorted((s for s in self._slots if not s.active and s is not nxt), key=lambda s: len(s.pages))
-        active = [s for s in self._slots if s.active] if for_step else []
-
-        def tails(slots: list[Slot]) -> list[Reclaim]:
-            spare: list[Reclaim] = []
-            for slot in slots:
-                need = keep.get(slot.index, self.config.pages_for(slot.length) if slot.active else 0)
-                if len(slot.pages) > need and not slot.pinned():
-                    spare.append((slot, len(slot.pages) - need))
-            return spare
-
-        units: list[Reclaim] = list(self._prefix.units()) if for_step else []
-        return tails(idle) + units + tails([nxt] if nxt else []) + tails(active)
-
-    def _available_pages(self, keep: Mapping[int, int]) -> int:
-        """Free pages plus those that reclaiming everything a step may take would free: the
-        pages all of whose references it drops."""
-        drops: Counter[int] = Counter()
-        for action in self._reclaimable(keep, for_step=True):
-            for step in action.pages if isinstance(action, CachedUnit) else action[0].pages[-action[1] :]:
-                drops.update(step)
-        return self._pool.num_free + sum(count == self._pool.refs(page) for page, count in drops.items())
-
-    def _make_room(self, needed: int, keep: Mapping[int, int]) -> None:
-        """Frees pages until `needed` are free, or raises OutOfPagesError having changed nothing."""
-        if self._pool.num_free >= needed:
-            return
-        available = self._available_pages(keep)
-        if available < needed:
-            raise OutOfPagesError(needed, available)
-        self._reclaim(needed, keep, for_step=True)
-
-    def _reclaim(self, target_free: int, keep: Mapping[int, int], for_step: bool) -> bool:
-        """Takes reclaimable pages in order until the pool has `target_free` free; returns
-        whether anything went. A first pass spares prefix-cache entries that would free
-        nothing (their pages still mapped in a slot); a second takes whatever is left."""
-        done = False
-        for sparing in (True, False):
-            for action in self._reclaimable(keep, for_step):
-                deficit = target_free - self._pool.num_free
-                if deficit <= 0:
-                    return done
-                if isinstance(action, CachedUnit):
-                    pages = [page for step in action.pages for page in step]
-                    if not sparing or any(self._pool.refs(page) == 1 for page in pages):
-                        self._prefix.evict(action)
-                        done = True
-                    continue
-                slot, spare = action
-                steps, freed = 0, 0
-                while steps < spare and freed < deficit:  # from the tail, until they free enough
-                    steps += 1
-                    freed += sum(self._pool.refs(page) == 1 for page in slot.pages[-steps])
-                self._unmap_tail([(slot, steps)])
-                done = True
-        return done
 
     def _after_fork_in_child(self) -> None:
         """The parent's threads are gone from this copy, and locks they held would stay held."""
@@ -600,53 +429,14 @@ class KVCache:
         with self._lock:
             if self._closed:
                 return False
-            addrs = self._next_unit_ahead()
+            addrs = self._policy.background_batch()
         if addrs is None:
             return False
         if addrs:  # outside the lock: a page unmapped meanwhile just ends the batch early
-            done = self._populate(addrs)
+            done = self._pages.populate(addrs)
             with self._lock:
                 self._counters.populate.add(*done)
         return True
-
-    def _next_unit_ahead(self) -> list[int] | None:
-        """Under the lock: maps every active slot's next pages in one batch, or reclaims to
-        the watermark, or pre-maps the next reqid. Returns addresses to populate, or None."""
-        cfg, width = self.config, self.config.num_buffers
-        floor = math.ceil(cfg.reclaim_watermark * self._pool.capacity)
-        plan, budget = [], self._pool.num_free
-        for slot in self._slots:
-            if slot.active:
-                ahead = min(slot.length + cfg.lookahead_tokens, cfg.max_context)
-                missing = cfg.pages_for(ahead) - len(slot.pages)
-                if 0 < missing * width <= budget:
-                    plan.append((slot, missing))
-                    budget -= missing * width
-        if plan:
-            return self._map(plan, Origin.BACKGROUND)
-        if self._pool.num_free < floor and self._reclaim(floor, {}, for_step=False):
-            return []
-        nxt = self._next_free_slot()
-        eager = min(cfg.eager_pages, cfg.slot_pages)
-        if nxt and len(nxt.pages) < eager and self._pool.num_free - width >= floor:
-            return self._map([(nxt, 1)], Origin.BACKGROUND)
-        return None
-
-
-def _token_ids(tokens: Sequence[int]) -> list[int]:
-    ids = list(tokens)
-    if not all(is_int(t) and t >= 0 for t in ids):
-        raise ValueError("tokens must be non-negative integers (token ids)")
-    return ids
-
-
-def _unit_digests(tokens: Sequence[int], units: int, unit: int, parent: bytes = ROOT) -> list[bytes]:
-    """The chained prefix-cache keys of the first `units` units of `tokens`."""
-    digests = []
-    for index in range(units):
-        parent = chain_digest(parent, tokens[index * unit : (index + 1) * unit])
-        digests.append(parent)
-    return digests
 
 
 _LIVE_CACHES: weakref.WeakSet[KVCache] = weakref.WeakSet()

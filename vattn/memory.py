@@ -12,6 +12,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
+import torch
+
 from vattn.backends.base import VMMBackend
 from vattn.config import KVCacheConfig
 from vattn.page_pool import PagePool
@@ -33,6 +35,23 @@ class CacheMemory:
         """Addresses a failed map could not roll back: mapped, in no slot, freed with their reservation."""
         self.release = weakref.finalize(self, _release, config, backend, self.bases, slots, pool, self.stranded)
         self.release.atexit = False  # at exit live views may still be read; the process frees it all
+
+    def views(
+        self, layer: int, slots: list[Slot], length: int, rows: int | None, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views (`rows_view`) of consecutive slots over storages of their own, which
+        hold a lease on exactly those slots (the cache's lock held)."""
+        cfg = self.config
+        if length == 0:
+            shape = (0, cfg.num_kv_heads, cfg.head_dim) if rows is None else (rows, 0, cfg.num_kv_heads, cfg.head_dim)
+            empty = torch.empty(shape, dtype=cfg.dtype, device=device)
+            return empty, empty.clone()
+        lease = Lease(self, slots)
+        offset, nbytes = slots[0].index * cfg.slot_stride, cfg.rows_bytes(rows or 1, length)
+        k, v = (
+            self.backend.tensor(self.bases[b] + offset, nbytes, lease, True, cfg.dtype) for b in cfg.kv_buffers(layer)
+        )
+        return cfg.rows_view(k, layer, length, rows), cfg.rows_view(v, layer, length, rows)
 
     def reserve(self) -> None:
         """Reserves one range per virtual tensor (freed by `release` even if this fails part-way)."""

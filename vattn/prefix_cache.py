@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vattn.page_pool import PagePool
+from vattn.validate import is_int
 
 ROOT = b""
 """The digest before the first unit."""
@@ -108,3 +109,19 @@ class PrefixCache:
     def clear(self) -> None:
         for unit in self.units():
             self.evict(unit)
+
+
+def token_ids(tokens: Sequence[int]) -> list[int]:
+    ids = list(tokens)
+    if not all(is_int(t) and t >= 0 for t in ids):
+        raise ValueError("tokens must be non-negative integers (token ids)")
+    return ids
+
+
+def unit_digests(tokens: Sequence[int], units: int, unit: int, parent: bytes = ROOT) -> list[bytes]:
+    """The chained prefix-cache keys of the first `units` units of `tokens`."""
+    digests = []
+    for index in range(units):
+        parent = chain_digest(parent, tokens[index * unit : (index + 1) * unit])
+        digests.append(parent)
+    return digests

@@ -1,0 +1,122 @@
+"""Which pages move, and in what order: the slot handed out next, what a step may reclaim
+(cheapest loss first), and the background thread's next batch of work."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+from vattn.config import KVCacheConfig
+from vattn.errors import OutOfPagesError
+from vattn.page_pool import PagePool
+from vattn.prefix_cache import CachedUnit, PrefixCache
+from vattn.slot import Origin, Slot
+from vattn.slot_pages import SlotPages
+
+Reclaim = tuple[Slot, int] | CachedUnit
+"""Pages that can go: a slot's last page steps (how many), or a prefix-cache entry."""
+
+
+class PagePolicy:
+    """The cache's decisions over its slots, pool and prefix cache; the caller holds its lock."""
+
+    def __init__(
+        self, config: KVCacheConfig, slots: Sequence[Slot], pool: PagePool, prefix: PrefixCache, pages: SlotPages
+    ) -> None:
+        self.config = config
+        self.slots = slots
+        self.pool = pool
+        self.prefix = prefix
+        self.pages = pages
+
+    def next_free_slot(self) -> Slot | None:
+        """The slot alloc_reqid hands out next: most pages mapped, then lowest index."""
+        free = (slot for slot in self.slots if not slot.active and not slot.leases)  # leases: pinned
+        return max(free, key=lambda slot: (len(slot.pages), -slot.index), default=None)
+
+    def reclaimable(self, keep: Mapping[int, int], for_step: bool) -> list[Reclaim]:
+        """What can go, cheapest loss first: idle slots' pages (the next reqid's last); for a
+        step, also prefix-cache entries (least recently used first, before the next reqid's
+        pages) and active slots' pages past what they need. `keep` overrides what a slot
+        needs. Slots that live views hold keep every page."""
+        nxt = self.next_free_slot()
+        idle = sorted((s for s in self.slots if not s.active and s is not nxt), key=lambda s: len(s.pages))
+        active = [s for s in self.slots if s.active] if for_step else []
+
+        def tails(slots: list[Slot]) -> list[Reclaim]:
+            spare: list[Reclaim] = []
+            for slot in slots:
+                need = keep.get(slot.index, self.config.pages_for(slot.length) if slot.active else 0)
+                if len(slot.pages) > need and not slot.pinned():
+                    spare.append((slot, len(slot.pages) - need))
+            return spare
+
+        units: list[Reclaim] = list(self.prefix.units()) if for_step else []
+        return tails(idle) + units + tails([nxt] if nxt else []) + tails(active)
+
+    def available_pages(self, keep: Mapping[int, int]) -> int:
+        """Free pages plus those that reclaiming everything a step may take would free: the
+        pages all of whose references it drops."""
+        drops: Counter[int] = Counter()
+        for action in self.reclaimable(keep, for_step=True):
+            for step in action.pages if isinstance(action, CachedUnit) else action[0].pages[-action[1] :]:
+                drops.update(step)
+        return self.pool.num_free + sum(count == self.pool.refs(page) for page, count in drops.items())
+
+    def make_room(self, needed: int, keep: Mapping[int, int]) -> None:
+        """Frees pages until `needed` are free, or raises OutOfPagesError having changed nothing."""
+        if self.pool.num_free >= needed:
+            return
+        available = self.available_pages(keep)
+        if available < needed:
+            raise OutOfPagesError(needed, available)
+        self.reclaim(needed, keep, for_step=True)
+
+    def reclaim(self, target_free: int, keep: Mapping[int, int], for_step: bool) -> bool:
+        """Takes reclaimable pages in order until the pool has `target_free` free; returns
+        whether anything went. A first pass spares prefix-cache entries that would free
+        nothing (their pages still mapped in a slot); a second takes whatever is left."""
+        done = False
+        for sparing in (True, False):
+            for action in self.reclaimable(keep, for_step):
+                deficit = target_free - self.pool.num_free
+                if deficit <= 0:
+                    return done
+                if isinstance(action, CachedUnit):
+                    pages = [page for step in action.pages for page in step]
+                    if not sparing or any(self.pool.refs(page) == 1 for page in pages):
+                        self.prefix.evict(action)
+                        done = True
+                    continue
+                slot, spare = action
+                steps, freed = 0, 0
+                while steps < spare and freed < deficit:  # from the tail, until they free enough
+                    steps += 1
+                    freed += sum(self.pool.refs(page) == 1 for page in slot.pages[-steps])
+                self.pages.unmap_tail([(slot, steps)])
+                done = True
+        return done
+
+    def background_batch(self) -> list[int] | None:
+        """Maps every active slot's next pages in one batch, or reclaims to
+        the watermark, or pre-maps the next reqid. Returns addresses to populate, or None."""
+        cfg, width = self.config, self.config.num_buffers
+        floor = math.ceil(cfg.reclaim_watermark * self.pool.capacity)
+        plan, budget = [], self.pool.num_free
+        for slot in self.slots:
+            if slot.active:
+                ahead = min(slot.length + cfg.lookahead_tokens, cfg.max_context)
+                missing = cfg.pages_for(ahead) - len(slot.pages)
+                if 0 < missing * width <= budget:
+                    plan.append((slot, missing))
+                    budget -= missing * width
+        if plan:
+            return self.pages.map(plan, Origin.BACKGROUND)
+        if self.pool.num_free < floor and self.reclaim(floor, {}, for_step=False):
+            return []
+        nxt = self.next_free_slot()
+        eager = min(cfg.eager_pages, cfg.slot_pages)
+        if nxt and len(nxt.pages) < eager and self.pool.num_free - width >= floor:
+            return self.pages.map([(nxt, 1)], Origin.BACKGROUND)
+        return None

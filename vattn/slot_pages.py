@@ -1,0 +1,173 @@
+"""The pages behind each slot: page steps mapped, unmapped and shared, one batched backend
+call each and all or nothing. The pool keeps the pages' references (vattn.page_pool); which
+pages to move, and when, is the page policy's (vattn.page_policy)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+from vattn.backends import VMMBackend
+from vattn.backends.base import MapError
+from vattn.config import KVCacheConfig
+from vattn.page_pool import PagePool
+from vattn.prefix_cache import PrefixCache
+from vattn.slot import Origin, Slot
+from vattn.stats import MappingCounters
+
+
+class SlotPages:
+    """Page steps behind slots (step k of a slot: its k-th page in every virtual tensor).
+    The caller holds the cache's lock."""
+
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        backend: VMMBackend,
+        pool: PagePool,
+        bases: list[int],
+        stranded: list[int],
+        counters: MappingCounters,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.pool = pool
+        self.bases = bases
+        """Each virtual tensor's reservation."""
+        self.stranded = stranded
+        """Addresses a failed map could not roll back (see CacheMemory.stranded)."""
+        self.counters = counters
+
+    def drop_shared(self, slot: Slot) -> None:
+        """Before a free slot takes a new request: unmaps its pages from the first one that
+        anything else maps (the prefix cache, a fork) on, so the request writes only its own."""
+        shared = next((k for k, step in enumerate(slot.pages) if self.pool.refs(step[0]) > 1), None)
+        if shared is not None:
+            self.unmap_tail([(slot, len(slot.pages) - shared)])
+
+    def map_shared(self, slot: Slot, steps: list[list[int]]) -> None:
+        """Maps already referenced page steps as the slot's first ones, in place of any own
+        pages it has there (one more reference each)."""
+        if not steps:
+            return
+        count = len(steps)
+        replaced = min(count, len(slot.pages))
+        if replaced:
+            self.backend.unmap(self.addrs(slot, 0, replaced))
+            self.pool.give_back(page for step in slot.pages[:replaced] for page in step)
+        pages = [page for step in steps for page in step]
+        self.pool.share(pages)
+        addrs = self.addrs(slot, 0, count)
+        try:
+            self.map_pages(addrs, pages)
+        except BaseException:  # the slot's pages must stay a prefix: its own ones after the gap go too
+            if rest := len(slot.pages) - replaced:
+                self.backend.unmap(self.addrs(slot, replaced, rest))
+                self.pool.give_back(page for step in slot.pages[replaced:] for page in step)
+            slot.pages.clear()
+            slot.origins.clear()
+            raise
+        slot.pages[:replaced] = [list(step) for step in steps[:replaced]]
+        slot.pages += [list(step) for step in steps[replaced:]]
+        slot.origins[:replaced] = [Origin.SHARED] * replaced
+        slot.origins += [Origin.SHARED] * (count - replaced)
+
+    def addrs(self, slot: Slot, first: int, count: int) -> list[int]:
+        """Addresses of page steps first..first+count of a slot, page by page, tensor by tensor."""
+        offsets = [self.config.page_offset(slot.index, k) for k in range(first, first + count)]
+        return [base + offset for offset in offsets for base in self.bases]
+
+    def map(self, plan: list[tuple[Slot, int]], origin: Origin) -> list[int]:
+        """Maps `count` more page steps behind each slot in one batch; returns the addresses."""
+        width = self.config.num_buffers
+        addrs = [a for slot, count in plan for a in self.addrs(slot, len(slot.pages), count)]
+        pages = self.pool.take(len(addrs))
+        self.map_pages(addrs, pages)
+        taken = iter(pages)
+        for slot, count in plan:
+            for _ in range(count):
+                slot.pages.append([next(taken) for _ in range(width)])
+                slot.origins.append(origin)
+        return addrs
+
+    def map_pages(self, addrs: list[int], pages: list[int]) -> None:
+        """One batched map call of referenced pages; on failure their references are dropped,
+        but those of pages left mapped somewhere (never to be handed out again). An address a
+        failed rollback left mapped is unmapped first (a GPU driver refuses to map over it)."""
+        started = time.perf_counter()
+        if stale := [addr for addr in addrs if addr in self.stranded]:
+            self.backend.unmap(stale)
+            self.stranded[:] = [addr for addr in self.stranded if addr not in stale]
+        try:
+            self.backend.map(addrs, pages)
+        except MapError as exc:
+            stranded = set(exc.stranded)
+            self.stranded += exc.stranded
+            self.pool.give_back([page for addr, page in zip(addrs, pages, strict=True) if addr not in stranded])
+            raise
+        except BaseException:
+            self.pool.give_back(pages)
+            raise
+        self.counters.map.add(len(pages), time.perf_counter() - started)
+
+    def unmap_tail(self, plan: list[tuple[Slot, int]]) -> None:
+        """Unmaps the last `count` page steps of each slot in one batch; pages go back to the pool."""
+        addrs, pages = [], []
+        for slot, count in plan:
+            first = len(slot.pages) - count
+            addrs += self.addrs(slot, first, count)
+            pages += [page for step in slot.pages[first:] for page in step]
+        started = time.perf_counter()
+        self.backend.unmap(addrs)
+        self.counters.unmap.add(len(pages), time.perf_counter() - started)
+        for slot, count in plan:
+            del slot.pages[len(slot.pages) - count :]
+            del slot.origins[len(slot.origins) - count :]
+        self.pool.give_back(pages)
+
+    def populate(self, addrs: list[int]) -> tuple[int, float]:
+        """Pre-faults mapped pages; returns (pages done, seconds) for `counters.populate`."""
+        started = time.perf_counter()
+        return self.backend.populate(addrs), time.perf_counter() - started
+
+    def copy_tail(self, source: Slot, target: Slot, step: int, nbytes: int) -> None:
+        """Copies the first `nbytes` of page step `step` of `source` into `target`'s (both mapped)."""
+        cfg = self.config
+        for base in self.bases:
+            src, dst = (base + cfg.page_offset(s.index, step) for s in (source, target))
+            self.backend.tensor(dst, nbytes, mapped=True).copy_(self.backend.tensor(src, nbytes, mapped=True))
+
+    def check_invariants(self, slots: Sequence[Slot], prefix: PrefixCache) -> None:
+        """Raises AssertionError unless the pages behind the slots are consistent: each page's
+        reference count is the slots and prefix-cache entries that hold it, every page is free
+        or referenced, a slot maps a page once, covers its length and writes only pages of its own."""
+        cfg, pool = self.config, self.pool
+        references: Counter[int] = Counter(page for slot in slots for step in slot.pages for page in step)
+        # Two entries may hold one page: a child forked inside a unit of several pages shares
+        # the parent's whole pages before the fork point, and its unit, keyed by other tokens
+        # after it, is cached beside the parent's. Those pages hold the same KV for both.
+        references.update(page for unit in prefix.units() for step in unit.pages for page in step)
+        problems = [
+            *(f"page {p} has {pool.refs(p)} references, not {n}" for p, n in references.items() if pool.refs(p) != n),
+            *(
+                [f"{len(references)} referenced + {pool.num_free} free pages != {pool.capacity}"]
+                if len(references) + pool.num_free != pool.capacity
+                else []
+            ),
+        ]
+        for slot in slots:
+            pages = [page for step in slot.pages for page in step]
+            if len(pages) != len(set(pages)):
+                problems.append(f"slot {slot.index} maps a physical page twice")
+            if any(len(step) != cfg.num_buffers for step in slot.pages) or len(slot.origins) != len(slot.pages):
+                problems.append(f"slot {slot.index} has a malformed page table")
+            if slot.active and not (
+                cfg.pages_for(slot.length) <= len(slot.pages) and slot.shared_steps <= len(slot.pages)
+            ):
+                problems.append(f"slot {slot.index} maps fewer pages than its length or shared prefix")
+            writable = slot.pages[slot.shared_steps :] if slot.active else []
+            if any(pool.refs(page) != 1 for step in writable for page in step):
+                problems.append(f"slot {slot.index} may write a shared page")
+        if problems:
+            raise AssertionError("; ".join(problems))
