@@ -24,19 +24,13 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from benchmarks._common import RESULTS_DIR, command_line, machine_facts, percentiles, save_figure, write_results
+from measure.results import RESULTS_DIR, command_line, machine_facts, percentiles, save_figure, write_results
+from measure.workloads import random_token_prompts
 from serving import LLM, SamplingParams
 from serving.default_model import ensure_default_model
 from vattn.sizes import MiB
 
 Timings = dict[str, list[float]]
-
-
-def make_prompts(count: int, shortest: int, longest: int, vocab: int, seed: int) -> list[list[int]]:
-    """Seeded random token ids (past the special tokens), lengths uniform in [shortest, longest]."""
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(shortest, longest + 1, (count,), generator=generator).tolist()
-    return [torch.randint(100, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
 def run_vattn(prompts: list[list[int]], args: argparse.Namespace) -> tuple[float, Timings]:
@@ -145,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     model_dir = ensure_default_model()
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    prompts = make_prompts(args.requests, args.shortest, args.longest, model.config.vocab_size, args.seed)
+    prompts = random_token_prompts(args.requests, args.shortest, args.longest, model.config.vocab_size, args.seed)
     runners: dict[str, Callable[[], tuple[float, Timings]]] = {
         "vattn": lambda: run_vattn(prompts, args),
         "hf_static": lambda: run_hf_static(model, prompts, args),

@@ -26,7 +26,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from benchmarks._common import (
+from measure.results import (
     RESULTS_DIR,
     command_line,
     local_server,

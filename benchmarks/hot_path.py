@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from benchmarks._common import (
+from measure.results import (
     REPO_ROOT,
     RESULTS_DIR,
     command_line,

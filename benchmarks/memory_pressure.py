@@ -30,7 +30,7 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm import tqdm
 
-from benchmarks._common import RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
+from measure.results import RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
 from serving import LLM, SamplingParams
 from vattn.sizes import MiB
 

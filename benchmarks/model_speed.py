@@ -30,18 +30,12 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from benchmarks._common import RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
-from benchmarks.engine_throughput import make_prompts
+from measure.results import RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
+from measure.workloads import CONFIGS, long_prompt, random_token_prompts
 from serving import LLM, SamplingParams
 from serving.default_model import ensure_default_model
 from vattn.sizes import KiB
 
-CONFIGS: dict[str, dict[str, Any]] = {
-    "fp32": {"dtype": "float32"},
-    "int8": {"dtype": "float32", "quantization": "int8"},
-    "bf16w": {"dtype": "float32", "quantization": "bf16"},
-    "bf16": {"dtype": "bfloat16"},
-}
 QUALITY_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -52,15 +46,6 @@ QUALITY_PROMPTS = [
     "What causes the seasons on Earth?",
     "Give me a recipe for pancakes.",
 ]
-
-
-def long_prompt(llm: LLM, tokens: int) -> list[int]:
-    """Ordinary English text (this repository's README, repeated) cut to `tokens` ids."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    ids: list[int] = []
-    while len(ids) < tokens:
-        ids += llm.tokenizer(text)["input_ids"]
-    return ids[:tokens]
 
 
 def time_hf(model: Any, ids: list[int], new_tokens: int) -> tuple[float, list[int]]:
@@ -82,7 +67,7 @@ def decode_step(llm: LLM, batch: int, context: int, steps: int, vocab: int) -> d
     the step outside torch operators (profiled over `steps` steps)."""
     engine = llm.engine
     params = SamplingParams(max_tokens=3 * steps + 8, temperature=0, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in make_prompts(batch, context, context, vocab, seed=1)]
+    ids = [engine.add_request(p, params) for p in random_token_prompts(batch, context, context, vocab, seed=1)]
     while engine.stats().waiting or any(not engine._requests[i].output_ids for i in ids):
         engine.step()
     start = time.perf_counter()

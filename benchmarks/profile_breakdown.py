@@ -27,9 +27,8 @@ import matplotlib.pyplot as plt
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks._common import RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
-from benchmarks.engine_throughput import make_prompts
-from benchmarks.model_speed import CONFIGS, long_prompt
+from measure.results import RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
+from measure.workloads import CONFIGS, long_prompt, random_token_prompts
 from serving import LLM, SamplingParams
 from serving.default_model import ensure_default_model
 
@@ -52,7 +51,7 @@ def decode_rows(config: str, batch: int, context: int, steps: int, top: int) -> 
     llm = LLM(max_slots=batch, max_context=context + 3 * steps + 8, prefix_caching=False, **CONFIGS[config])
     engine = llm.engine
     params = SamplingParams(max_tokens=3 * steps + 4, temperature=0, ignore_eos=True)
-    for prompt in make_prompts(batch, context, context, llm.tokenizer.vocab_size, seed=1):
+    for prompt in random_token_prompts(batch, context, context, llm.tokenizer.vocab_size, seed=1):
         engine.add_request(prompt, params)
     decoding: set[str] = set()
     while len(decoding) < batch:  # every prompt in, every request decoding

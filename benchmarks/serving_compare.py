@@ -40,7 +40,7 @@ import openai
 from matplotlib.ticker import ScalarFormatter
 from tqdm import tqdm
 
-from benchmarks._common import (
+from measure.results import (
     REPO_ROOT,
     RESULTS_DIR,
     CpuShare,
@@ -51,7 +51,8 @@ from benchmarks._common import (
     save_figure,
     write_results,
 )
-from benchmarks.serving_load import Timing, make_prompts, one_request, summarize
+from measure.streams import Timing, one_request, summarize
+from measure.workloads import random_word_prompts
 from serving.default_model import DEFAULT_MODEL, cache_dir, default_model_dir
 from vattn.sizes import MiB
 
@@ -403,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     # Fresh prompts for each level and the warm-up, the same for every system: a peer's prefix cache
     # must not serve a level from the prompts of an earlier one.
-    prompts = make_prompts(args.requests * len(concurrencies) + 1, args.shortest, args.longest, args.seed)
+    prompts = random_word_prompts(args.requests * len(concurrencies) + 1, args.shortest, args.longest, args.seed)
     levels = [(c, prompts[i * args.requests : (i + 1) * args.requests]) for i, c in enumerate(concurrencies)]
     logs = Path(tempfile.mkdtemp(prefix="serving_compare-"))
     infos, rows = [], []

@@ -19,8 +19,6 @@ import random
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -28,85 +26,21 @@ import matplotlib
 import openai
 from tqdm import tqdm
 
-from benchmarks._common import (
+from measure.results import (
     RESULTS_DIR,
     CpuShare,
     command_line,
     local_server,
     machine_facts,
-    percentiles,
     print_table,
     save_figure,
     write_results,
 )
+from measure.streams import Timing, one_request, summarize
+from measure.workloads import random_word_prompts
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-
-WORDS = [
-    "the",
-    "of",
-    "and",
-    "a",
-    "to",
-    "in",
-    "is",
-    "you",
-    "that",
-    "it",
-    "he",
-    "was",
-    "for",
-    "on",
-    "are",
-    "as",
-    "with",
-    "his",
-    "they",
-    "at",
-    "be",
-    "this",
-    "have",
-    "from",
-]
-
-
-@dataclass
-class Timing:
-    sent: float
-    chunks: list[float] = field(default_factory=list)
-    tokens: int = 0
-
-
-def make_prompts(count: int, shortest: int, longest: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choices(WORDS, k=rng.randint(shortest, longest))) for _ in range(count)]
-
-
-async def one_request(
-    client: openai.AsyncOpenAI,
-    model: str,
-    prompt: str,
-    output_tokens: int,
-    extra_body: dict[str, Any] | None = None,
-) -> Timing:
-    """One streamed completion, timed per chunk; `extra_body` defaults to {"ignore_eos": True}."""
-    timing = Timing(time.perf_counter())
-    stream = await client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=output_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True} if extra_body is None else extra_body,
-    )
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            timing.chunks.append(time.perf_counter())
-        if chunk.usage is not None:
-            timing.tokens = chunk.usage.completion_tokens
-    return timing
 
 
 async def run_rate(url: str, model: str, prompts: list[str], rate: float, args: argparse.Namespace) -> dict[str, Any]:
@@ -133,25 +67,6 @@ async def run_rate(url: str, model: str, prompts: list[str], rate: float, args: 
     await client.close()
     assert all(t.tokens == args.output_tokens for t in timings), "a request came back short"
     return {"request_rate": rate, **summarize(timings, elapsed), "other_cpu_share": round(cpu.stop()["other_share"], 3)}
-
-
-def summarize(timings: Sequence[Timing], elapsed: float) -> dict[str, Any]:
-    """Throughput over `elapsed` seconds and TTFT, TPOT and ITL p50/p99 of the timed requests."""
-    ttft = percentiles([t.chunks[0] - t.sent for t in timings])
-    tpot = percentiles([(t.chunks[-1] - t.chunks[0]) / (t.tokens - 1) for t in timings])
-    itl = percentiles([later - earlier for t in timings for earlier, later in pairwise(t.chunks)])
-    return {
-        "requests": len(timings),
-        "seconds": round(elapsed, 2),
-        "requests_per_s": round(len(timings) / elapsed, 3),
-        "output_tokens_per_s": round(sum(t.tokens for t in timings) / elapsed, 2),
-        "ttft_p50_s": round(ttft["p50"], 3),
-        "ttft_p99_s": round(ttft["p99"], 3),
-        "tpot_p50_ms": round(tpot["p50"] * 1e3, 1),
-        "tpot_p99_ms": round(tpot["p99"] * 1e3, 1),
-        "itl_p50_ms": round(itl["p50"] * 1e3, 1),
-        "itl_p99_ms": round(itl["p99"] * 1e3, 1),
-    }
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -186,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--name", default="serving_load")
     args = parser.parse_args(argv)
 
-    prompts = make_prompts(args.requests, args.shortest, args.longest, args.seed)
+    prompts = random_word_prompts(args.requests, args.shortest, args.longest, args.seed)
     rows = []
     with local_server(args.serve_args) if args.url is None else nullcontext(args.url) as url:
         for rate in (float(r) for r in args.rates.split(",")):

@@ -33,7 +33,7 @@ matplotlib.use("Agg")
 import torch
 from tqdm import tqdm
 
-from benchmarks._common import (
+from measure.results import (
     CpuShare,
     command_line,
     machine_facts,

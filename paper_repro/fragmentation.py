@@ -26,7 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from tqdm import tqdm
 
-from benchmarks._common import command_line, machine_facts, print_table, save_figure, write_results
+from measure.results import command_line, machine_facts, print_table, save_figure, write_results
 from paper_repro._harness import DEFAULT_MODEL, PAPER_MODELS, PaperModel, results_dir
 from vattn import KVCache, KVCacheConfig, OutOfPagesError, OutOfSlotsError
 from vattn.paged import PagedKVCache, PagedKVCacheConfig

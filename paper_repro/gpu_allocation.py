@@ -39,8 +39,8 @@ import matplotlib
 matplotlib.use("Agg")
 import torch
 
-from benchmarks._common import command_line, machine_facts, print_table, save_figure, write_results
-from benchmarks._gpu import cannot_run, exit_unless_cuda, gpu_facts
+from measure.gpu import cannot_run, exit_unless_cuda, gpu_facts
+from measure.results import command_line, machine_facts, print_table, save_figure, write_results
 from paper_repro import _mapping as mapping
 from paper_repro._harness import results_dir
 from vattn.errors import UnavailableError

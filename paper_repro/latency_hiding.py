@@ -52,7 +52,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from benchmarks._common import (
+from measure.gpu import exit_unless_cuda, gpu_facts
+from measure.results import (
     CpuShare,
     command_line,
     machine_facts,
@@ -61,7 +62,6 @@ from benchmarks._common import (
     save_figure,
     write_results,
 )
-from benchmarks._gpu import exit_unless_cuda, gpu_facts
 from paper_repro._harness import results_dir
 from vattn import KVCache, KVCacheConfig
 from vattn.backends.host import MAP_COUNT_HEADROOM, current_map_count, max_map_count

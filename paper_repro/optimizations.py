@@ -51,7 +51,7 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm import tqdm
 
-from benchmarks._common import (
+from measure.results import (
     CpuShare,
     command_line,
     machine_facts,

@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm import tqdm
 
-from benchmarks._common import command_line, machine_facts, print_table, save_figure, write_results
+from measure.results import command_line, machine_facts, print_table, save_figure, write_results
 from paper_repro._harness import (
     CUDA_VARIANTS,
     DEFAULT_MODEL,

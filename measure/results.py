@@ -24,8 +24,8 @@ import torch
 
 from vattn.sizes import KiB, MiB
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
 def command_line() -> str:

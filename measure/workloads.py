@@ -1,0 +1,67 @@
+"""The workloads the benchmarks and the paper's experiments send: seeded prompts, long text,
+and the engine configurations compared."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from measure.results import REPO_ROOT
+from serving import LLM
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "fp32": {"dtype": "float32"},
+    "int8": {"dtype": "float32", "quantization": "int8"},
+    "bf16w": {"dtype": "float32", "quantization": "bf16"},
+    "bf16": {"dtype": "bfloat16"},
+}
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "a",
+    "to",
+    "in",
+    "is",
+    "you",
+    "that",
+    "it",
+    "he",
+    "was",
+    "for",
+    "on",
+    "are",
+    "as",
+    "with",
+    "his",
+    "they",
+    "at",
+    "be",
+    "this",
+    "have",
+    "from",
+]
+
+
+def random_token_prompts(count: int, shortest: int, longest: int, vocab: int, seed: int) -> list[list[int]]:
+    """Seeded random token ids (past the special tokens), lengths uniform in [shortest, longest]."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(shortest, longest + 1, (count,), generator=generator).tolist()
+    return [torch.randint(100, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def random_word_prompts(count: int, shortest: int, longest: int, seed: int) -> list[str]:
+    """Seeded prompts of common English words, lengths uniform in [shortest, longest]."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(WORDS, k=rng.randint(shortest, longest))) for _ in range(count)]
+
+
+def long_prompt(llm: LLM, tokens: int) -> list[int]:
+    """Ordinary English text (this repository's README, repeated) cut to `tokens` ids."""
+    text = (REPO_ROOT / "README.md").read_text()
+    ids: list[int] = []
+    while len(ids) < tokens:
+        ids += llm.tokenizer(text)["input_ids"]
+    return ids[:tokens]
