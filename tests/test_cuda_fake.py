@@ -102,6 +102,7 @@ def test_nothing_is_unmapped_while_queued_gpu_work_may_read_it(fake: FakeDriver,
         fake.launch(keys.data_ptr(), keys.nbytes)  # a kernel reading the request's keys is queued
         del keys, values
         cache.free_reqid(reqid)
+        assert cache.wait_for_background(10)  # it may pre-map the next reqid meanwhile
         cache.release_idle()  # unmaps the slot's pages: must wait for the kernel first
         assert cache.stats().mapped_bytes == 0
     assert fake.calls["cuCtxSynchronize"] > 0
