@@ -425,7 +425,7 @@ class KVCache:
             self._mapper.wake()
 
     def _work_ahead(self) -> bool:
-        """One unit of background work; False when there is nothing left to do."""
+        """One batch of background work; False when there is nothing left to do."""
         with self._lock:
             if self._closed:
                 return False
