@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 class BackgroundMapper:
     """Runs `work` whenever woken until it reports nothing left to do.
 
-    `work` does one bounded unit (one batch of map calls) per call and returns whether it did
+    `work` does one bounded batch (of map calls) per call and returns whether it did
     anything, so a `step()` waiting on the cache lock waits for one batch at most. The thread
     holds `work`'s object only while working, so a cache nobody else holds is collected
     (and the thread stops with it).
