@@ -182,27 +182,14 @@ class KVCache:
 
         Both requests append after the fork, so neither writes a shared page. All or
         nothing: OutOfSlotsError or OutOfPagesError with no request changed."""
-        cfg, width = self.config, self.config.num_buffers
+        cfg = self.config
         with self._lock:
             self._check_open()
             parent = self._active_slot(reqid)
             child = self._policy.next_free_slot()
             if child is None:
                 raise OutOfSlotsError(cfg.max_slots, sum(not s.active and s.pinned() for s in self._slots))
-            written = parent.length * cfg.bytes_per_token
-            whole = written // cfg.page_size
-            partial = cfg.pages_for(parent.length) - whole
-            if child.pages:
-                self._pages.unmap_tail([(child, len(child.pages))])
-            self._policy.make_room(partial * width, {parent.index: len(parent.pages), child.index: 0})
-            self._pages.map_shared(child, parent.pages[:whole])
-            tail = written - whole * cfg.page_size
-            if partial:
-                self._pages.map([(child, 1)], Origin.STEP)
-                self._pages.copy_tail(parent, child, whole, tail)
-            self._counters.forks += 1
-            self._counters.fork_shared_pages += whole * width
-            self._counters.fork_copied_bytes += tail * len(self._bases)
+            whole = self._policy.fork(parent, child)
             parent.shared_steps = max(parent.shared_steps, whole)
             child.active, child.length, child.shared_steps = True, parent.length, whole
             child.digests, child.root = list(parent.digests), parent.root

@@ -120,3 +120,24 @@ class PagePolicy:
         if nxt and len(nxt.pages) < eager and self.pool.num_free - width >= floor:
             return self.pages.map([(nxt, 1)], Origin.BACKGROUND)
         return None
+
+    def fork(self, parent: Slot, child: Slot) -> int:
+        """Maps the parent's whole page steps behind the free slot `child` and copies its
+        partial last one (room made first); returns how many steps the two now share."""
+        cfg, width = self.config, self.config.num_buffers
+        written = parent.length * cfg.bytes_per_token
+        whole = written // cfg.page_size
+        partial = cfg.pages_for(parent.length) - whole
+        if child.pages:
+            self.pages.unmap_tail([(child, len(child.pages))])
+        self.make_room(partial * width, {parent.index: len(parent.pages), child.index: 0})
+        self.pages.map_shared(child, parent.pages[:whole])
+        tail = written - whole * cfg.page_size
+        if partial:
+            self.pages.map([(child, 1)], Origin.STEP)
+            self.pages.copy_tail(parent, child, whole, tail)
+        counters = self.pages.counters
+        counters.forks += 1
+        counters.fork_shared_pages += whole * width
+        counters.fork_copied_bytes += tail * len(self.pages.bases)
+        return whole
