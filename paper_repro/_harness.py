@@ -79,6 +79,12 @@ def on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def wait_for_gpu() -> None:
+    """Waits for the GPU's queued work, when there is a GPU: where a kernel's fault is raised."""
+    if on_gpu():
+        torch.cuda.synchronize()
+
+
 def model_dtype() -> str:
     """The experiments' precision, the model's and the attention's: bfloat16 on a GPU (as
     the paper), float32 on the CPU."""
@@ -123,7 +129,7 @@ def unmeasured(variant: Variant, exc: Exception, **keys: Any) -> dict[str, Any]:
     here, `failed` (traceback printed) when it broke; the other variants still run."""
     status = "skipped" if isinstance(exc, UNAVAILABLE) else "failed"
     if status == "failed":
-        traceback.print_exc()
+        traceback.print_exception(exc)  # also after its except block (attention_seconds' failures)
     return {"variant": variant.label, "family": variant.family, "status": status, **keys} | {
         "reason": f"{type(exc).__name__}: {exc}"
     }
@@ -136,6 +142,38 @@ def report_unmeasured(rows: list[dict[str, Any]]) -> None:
         print(f"{status} {variant}: {reason}")
     if any(status == "failed" for _, status, _ in unmeasured):
         raise SystemExit(1)
+
+
+def engine_rows(
+    variant: Variant,
+    sizes: Mapping[str, Any],
+    points: Sequence[dict[str, Any]],
+    measure: Callable[[LLM, dict[str, Any]], dict[str, Any]],
+    **keys: Any,
+) -> list[dict[str, Any]]:
+    """One variant's rows of an engine experiment, one per point (e.g. `{"batch": 8}`): its
+    engine built (`make_llm(variant, **sizes)`), each point's figures measured, the engine
+    closed, all guarded. Whatever one of them raises ends this variant only: its points not
+    yet measured get `unmeasured` rows (`skipped` when its library or device is not here, else
+    `failed` with the reason), and the caller goes on with the other variants and writes every
+    row. An engine that fails to close after its points were measured keeps their rows and
+    adds one `failed` row without a point."""
+    try:
+        llm = make_llm(variant, **sizes)
+    except Exception as exc:
+        return [unmeasured(variant, exc, **keys, **point) for point in points]
+    rows: list[dict[str, Any]] = []
+    try:
+        for point in points:
+            rows.append(measured(variant, **keys, **point, **measure(llm, point)))
+    except Exception as exc:
+        rows += [unmeasured(variant, exc, **keys, **point) for point in points[len(rows) :]]
+    try:
+        llm.close()
+    except Exception as exc:
+        row = unmeasured(variant, exc, **keys)
+        rows.append(row | {"status": "failed", "reason": f"closing the engine: {row['reason']}"})
+    return rows
 
 
 def attention_call(
@@ -200,8 +238,10 @@ def attention_seconds(
     failures: list[tuple[Variant, Exception]] = []
     for variant in variants:
         try:
-            calls[variant] = attention_call(variant, shape, batch, context, new_tokens)
-            calls[variant]()
+            call = attention_call(variant, shape, batch, context, new_tokens)
+            call()
+            wait_for_gpu()  # a kernel's asynchronous fault surfaces here, charged to its variant
+            calls[variant] = call
         except Exception as exc:
             failures.append((variant, exc))
     broken: dict[Variant, Exception] = {}
@@ -213,7 +253,9 @@ def attention_seconds(
             if variant in broken:
                 return None
             try:
-                return call()
+                result = call()
+                wait_for_gpu()
+                return result
             except Exception as exc:
                 broken[variant] = exc
                 return None
@@ -227,13 +269,13 @@ def attention_seconds(
 
 def median_seconds(calls: Mapping[Key, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[Key, float]:
     """Each call's median time over `repeats` rounds; a round times every call once, in turn,
-    so a slow spell of the machine falls on all of them alike. Waits for the GPU after each."""
+    so a slow spell of the machine falls on all of them alike. A call is timed until it
+    returns, so one that queues GPU work must wait for it (`attention_seconds`' calls do, each
+    inside its own guard: a GPU fault is that variant's, and the others go on)."""
 
     def timed(call: Callable[[], object]) -> float:
         start = time.perf_counter()
         call()
-        if on_gpu():
-            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     for call in calls.values():

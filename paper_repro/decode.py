@@ -38,7 +38,7 @@ from paper_repro._harness import (
     PaperModel,
     Variant,
     attention_seconds,
-    make_llm,
+    engine_rows,
     measured,
     on_gpu,
     report_unmeasured,
@@ -94,21 +94,16 @@ def decode_step_seconds(llm: LLM, batch: int, context: int, steps: int) -> float
 
 
 def model_rows(variants: Sequence[Variant], batches: list[int], context: int, steps: int) -> list[dict[str, Any]]:
+    def decode_step(llm: LLM, point: dict[str, Any]) -> dict[str, Any]:
+        seconds = decode_step_seconds(llm, point["batch"], context, steps)
+        return {"ms": 1000 * seconds, "tokens_per_s": point["batch"] / seconds}
+
+    sizes = {"max_slots": max(batches), "max_context": context + steps + 8, "kv_budget": 2 << 30}
+    points = [{"batch": batch} for batch in batches]
+    keys = {"table": "model", "model": DEFAULT_MODEL.name, "context": context}
     rows = []
-    for variant in tqdm(variants, desc="decode model"):
-        keys = {"table": "model", "model": DEFAULT_MODEL.name, "context": context}
-        done: list[dict[str, Any]] = []
-        try:  # building and measuring: a failure costs this variant's remaining rows only
-            llm = make_llm(variant, max_slots=max(batches), max_context=context + steps + 8, kv_budget=2 << 30)
-            try:
-                for batch in batches:
-                    seconds = decode_step_seconds(llm, batch, context, steps)
-                    done.append(measured(variant, **keys, batch=batch, ms=1000 * seconds, tokens_per_s=batch / seconds))
-            finally:
-                llm.close()
-        except Exception as exc:
-            done += [unmeasured(variant, exc, **keys, batch=batch) for batch in batches[len(done) :]]
-        rows += done
+    for variant in tqdm(variants, desc="decode model"):  # each built and measured under its own guard
+        rows += engine_rows(variant, sizes, points, decode_step, **keys)
     return with_ratio(rows, ("batch",), "ms")
 
 

@@ -37,7 +37,7 @@ from paper_repro._harness import (
     PaperModel,
     Variant,
     attention_seconds,
-    make_llm,
+    engine_rows,
     measured,
     on_gpu,
     report_unmeasured,
@@ -45,7 +45,7 @@ from paper_repro._harness import (
     unmeasured,
     with_ratio,
 )
-from serving import SamplingParams
+from serving import LLM, SamplingParams
 
 CPU_VARIANTS = (Variant("virtual", "sdpa"), Variant("paged", "paged_gather", 16), Variant("paged", "paged_gather", 128))
 CPU_MODEL_VARIANTS = (Variant("virtual", "ragged"), Variant("paged", "paged", 16))
@@ -65,28 +65,22 @@ def attention_rows(
 
 
 def model_rows(variants: Sequence[Variant], contexts: list[int], rounds: int) -> list[dict[str, Any]]:
+    def first_token(llm: LLM, point: dict[str, Any]) -> dict[str, Any]:
+        context = point["context"]
+        generator = torch.Generator().manual_seed(context)
+        ids = torch.randint(100, llm.tokenizer.vocab_size, (context,), generator=generator).tolist()
+        best = float("inf")
+        for _ in range(rounds):
+            start = time.perf_counter()
+            llm.generate([ids], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+            best = min(best, time.perf_counter() - start)
+        return {"ms": 1000 * best, "tokens_per_s": context / best}
+
+    sizes = {"max_slots": 2, "max_context": max(contexts) + 8, "kv_budget": 512 << 20}
+    points = [{"context": context} for context in contexts]
     rows = []
-    for variant in tqdm(variants, desc="prefill model"):
-        keys = {"table": "model", "model": DEFAULT_MODEL.name}
-        done: list[dict[str, Any]] = []
-        try:  # building and measuring: a failure costs this variant's remaining rows only
-            llm = make_llm(variant, max_slots=2, max_context=max(contexts) + 8, kv_budget=512 << 20)
-            try:
-                vocab = llm.tokenizer.vocab_size
-                for context in contexts:
-                    generator = torch.Generator().manual_seed(context)
-                    ids = torch.randint(100, vocab, (context,), generator=generator).tolist()
-                    best = float("inf")
-                    for _ in range(rounds):
-                        start = time.perf_counter()
-                        llm.generate([ids], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
-                        best = min(best, time.perf_counter() - start)
-                    done.append(measured(variant, **keys, context=context, ms=1000 * best, tokens_per_s=context / best))
-            finally:
-                llm.close()
-        except Exception as exc:
-            done += [unmeasured(variant, exc, **keys, context=context) for context in contexts[len(done) :]]
-        rows += done
+    for variant in tqdm(variants, desc="prefill model"):  # each built and measured under its own guard
+        rows += engine_rows(variant, sizes, points, first_token, table="model", model=DEFAULT_MODEL.name)
     return with_ratio(rows, ("model", "context"), "ms")
 
 
