@@ -16,7 +16,7 @@ from vattn.mapper import BackgroundMapper
 from vattn.memory import CacheMemory, Lease
 from vattn.page_policy import PagePolicy
 from vattn.page_pool import PagePool
-from vattn.prefix_cache import ROOT, PrefixCache, salted_root, token_ids, unit_digests
+from vattn.prefix_cache import ROOT, PrefixCache
 from vattn.slot import Origin, Slot
 from vattn.slot_pages import SlotPages
 from vattn.stats import CacheStats, MappingCounters
@@ -44,28 +44,15 @@ class KVCache:
         self._pool = PagePool(self.backend, config.pool_pages)
         self._prefix = PrefixCache(self._pool)
         memory = CacheMemory(config, self.backend, self._slots, self._pool)
-        try:
-            memory.reserve()
-            whole = Lease(memory, ())
-            nbytes, dtype = config.reservation_bytes, config.dtype
-            buffers = [self.backend.tensor(base, nbytes, whole, dtype=dtype) for base in memory.bases]
-        except BaseException:
-            memory.release()
-            raise
+        whole, self._layers = memory.open()
+        """Each layer's K and V virtual tensors, for the kernels (`layer_tensors`)."""
         self._memory: CacheMemory | None = memory
         """Held while open; afterwards only views hold it (see close)."""
-        self._bases, self._stranded = memory.bases, memory.stranded
         self._whole = weakref.ref(whole)
-        rows, context = config.max_slots, config.max_context
-        self._layers = [
-            tuple(config.rows_view(buffers[b], layer, context, rows) for b in config.kv_buffers(layer))
-            for layer in range(config.num_layers)
-        ]
-        """Each layer's K and V `[slots, context, kv_heads, head_dim]` virtual tensors, for the kernels."""
-        self.device = buffers[0].device
+        self.device = self._layers[0][0].device
         self._lock = threading.Lock()
         self._counters = MappingCounters()
-        self._pages = SlotPages(config, self.backend, self._pool, self._bases, self._stranded, self._counters)
+        self._pages = SlotPages(config, self.backend, self._pool, memory.bases, memory.stranded, self._counters)
         self._policy = PagePolicy(config, self._slots, self._pool, self._prefix, self._pages)
         self._closed = False
         self._mapper = BackgroundMapper(weakref.WeakMethod(self._work_ahead)) if config.background else None
@@ -139,19 +126,11 @@ class KVCache:
             slot = self._active_slot(reqid)
             if slot.length or slot.shared_steps:
                 raise ValueError(f"reqid {slot.index} already holds tokens: match_prefix comes before its first step")
-            tokens = token_ids(tokens)
-            unit = self.config.unit_tokens
-            if salt is not None and (not isinstance(salt, str) or not salt):
-                raise ValueError(f"a cache salt is a non-empty string, got {salt!r}")
-            slot.root = salted_root(salt)
-            digests = unit_digests(tokens, (len(tokens) - 1) // unit, unit, slot.root)
-            units = self._prefix.longest_prefix(digests)
-            self._prefix.counters.queries += len(tokens)
+            units = self._prefix.match(slot, tokens, self.config.unit_tokens, salt)
             if units:
                 self._pages.map_shared(slot, [step for found in units for step in found.pages])
-                slot.length = len(units) * unit
+                slot.length = len(units) * self.config.unit_tokens
                 slot.shared_steps = len(units) * self.config.unit_steps
-                slot.digests = digests[: len(units)]
                 self._prefix.counters.hits += slot.length
         self._wake_mapper()
         return slot.length
@@ -166,15 +145,9 @@ class KVCache:
             if len(tokens) > slot.length:
                 raise ValueError(f"reqid {slot.index} holds {slot.length} tokens, not {len(tokens)}")
             unit, steps = self.config.unit_tokens, self.config.unit_steps
-            full = len(tokens) // unit
-            if full <= len(slot.digests):
-                return
-            new = token_ids(tokens[len(slot.digests) * unit : full * unit])
-            parent = slot.digests[-1] if slot.digests else slot.root
-            for index, digest in enumerate(unit_digests(new, len(new) // unit, unit, parent), len(slot.digests)):
-                self._prefix.insert(digest, slot.pages[index * steps : (index + 1) * steps])
-                slot.digests.append(digest)
-            slot.shared_steps = max(slot.shared_steps, full * steps)
+            if len(tokens) // unit > len(slot.digests):
+                self._prefix.register(slot, tokens, unit, steps)
+                slot.shared_steps = max(slot.shared_steps, len(slot.digests) * steps)
 
     def fork_reqid(self, reqid: int) -> int:
         """A new request holding the same KV as `reqid` (parallel sampling, beam search): its
@@ -221,7 +194,7 @@ class KVCache:
             self._check_open()
             layer = self._layer_index(layer)
             slot = self._active_slot(reqid)
-            return self._views(layer, [slot], slot.length, rows=None)
+            return self._open_memory().views(layer, [slot], slot.length, None, self.device)
 
     def kv_batch(self, layer: int, reqids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[len(reqids), max length, kv_heads, head_dim]` for padded batched attention.
@@ -237,20 +210,7 @@ class KVCache:
             if not reqids:
                 raise ValueError("kv_batch needs at least one reqid")
             slots = [self._active_slot(r) for r in reqids]
-            length = max(slot.length for slot in slots)
-            for slot in slots:
-                mapped = self.config.tokens_in(len(slot.pages))
-                if mapped < length:
-                    raise ValueError(
-                        f"reqid {slot.index} has {mapped} tokens mapped but the batch is padded "
-                        f"to {length}: step it to {length} first"
-                    )
-            first = slots[0].index
-            if [slot.index for slot in slots] == list(range(first, first + len(slots))):
-                return self._views(layer, slots, length, rows=len(slots))
-            keys, values = self._layers[layer]
-            index = torch.tensor([slot.index for slot in slots], device=keys.device)
-            return keys[:, :length].index_select(0, index), values[:, :length].index_select(0, index)
+            return self._open_memory().padded_batch(layer, self._layers[layer], slots, self.device)
 
     def lengths(self, reqids: Sequence[int]) -> list[int]:
         """Tokens the last step() guaranteed for each request: all that attention may read."""
@@ -263,7 +223,7 @@ class KVCache:
         (an attention batch holds one for its iteration)."""
         with self._lock:
             self._check_open()
-            return self._lease([self._active_slot(reqid) for reqid in reqids])
+            return Lease(self._open_memory(), [self._active_slot(reqid) for reqid in reqids])
 
     def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's whole K and V virtual tensors, `[max_slots, max_context, kv_heads, head_dim]`.
@@ -361,15 +321,10 @@ class KVCache:
     def _layer_index(self, layer: int) -> int:
         return exact_int(layer, "layer", 0, self.config.num_layers - 1)
 
-    def _views(self, layer: int, slots: list[Slot], length: int, rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _open_memory(self) -> CacheMemory:
         if self._memory is None:
             raise RuntimeError("this KVCache is closed")
-        return self._memory.views(layer, slots, length, rows, self.device)
-
-    def _lease(self, slots: list[Slot]) -> Lease:
-        if self._memory is None:
-            raise RuntimeError("this KVCache is closed")
-        return Lease(self._memory, slots)
+        return self._memory
 
     def _check_open(self) -> None:
         if self._closed:

@@ -36,6 +36,45 @@ class CacheMemory:
         self.release = weakref.finalize(self, _release, config, backend, self.bases, slots, pool, self.stranded)
         self.release.atexit = False  # at exit live views may still be read; the process frees it all
 
+    def open(self) -> tuple[Lease, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Reserves the address space and returns a lease on no slot with, over it, each layer's
+        K and V `[slots, context, kv_heads, head_dim]` virtual tensors (the kernels'); releases
+        what it reserved if anything fails."""
+        cfg = self.config
+        try:
+            for _ in range(cfg.num_buffers):
+                self.bases.append(self.backend.reserve(cfg.reservation_bytes))
+            whole = Lease(self, ())
+            buffers = [self.backend.tensor(base, cfg.reservation_bytes, whole, dtype=cfg.dtype) for base in self.bases]
+        except BaseException:
+            self.release()
+            raise
+        rows, context = cfg.max_slots, cfg.max_context
+        layers = [
+            tuple(cfg.rows_view(buffers[b], layer, context, rows) for b in cfg.kv_buffers(layer))
+            for layer in range(cfg.num_layers)
+        ]
+        return whole, layers  # type: ignore[return-value]
+
+    def padded_batch(
+        self, layer: int, layer_tensors: tuple[torch.Tensor, torch.Tensor], slots: list[Slot], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` padded to the longest: views when the slots are consecutive, else
+        a copy of their rows; every slot must have that length mapped."""
+        length = max(slot.length for slot in slots)
+        for slot in slots:
+            if (mapped := self.config.tokens_in(len(slot.pages))) < length:
+                raise ValueError(
+                    f"reqid {slot.index} has {mapped} tokens mapped but the batch is padded "
+                    f"to {length}: step it to {length} first"
+                )
+        first = slots[0].index
+        if [slot.index for slot in slots] == list(range(first, first + len(slots))):
+            return self.views(layer, slots, length, len(slots), device)
+        keys, values = layer_tensors
+        index = torch.tensor([slot.index for slot in slots], device=keys.device)
+        return keys[:, :length].index_select(0, index), values[:, :length].index_select(0, index)
+
     def views(
         self, layer: int, slots: list[Slot], length: int, rows: int | None, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,11 +91,6 @@ class CacheMemory:
             self.backend.tensor(self.bases[b] + offset, nbytes, lease, True, cfg.dtype) for b in cfg.kv_buffers(layer)
         )
         return cfg.rows_view(k, layer, length, rows), cfg.rows_view(v, layer, length, rows)
-
-    def reserve(self) -> None:
-        """Reserves one range per virtual tensor (freed by `release` even if this fails part-way)."""
-        for _ in range(self.config.num_buffers):
-            self.bases.append(self.backend.reserve(self.config.reservation_bytes))
 
 
 class Lease:

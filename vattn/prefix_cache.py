@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vattn.page_pool import PagePool
+from vattn.slot import Slot
 from vattn.validate import is_int
 
 ROOT = b""
@@ -90,6 +91,31 @@ class PrefixCache:
         for unit in reversed(found):  # the leaf first: it is evicted before its parents
             self._units.move_to_end(unit.digest)
         return found
+
+    def match(self, slot: Slot, tokens: Sequence[int], unit: int, salt: str | None) -> list[CachedUnit]:
+        """The cached units of the longest prefix of a new request's `tokens` (whole units, never
+        its last token), refreshed; sets the slot's root (its salt's) and digests of those units.
+        Counts `tokens` as queries; the caller counts the hits it maps."""
+        tokens = token_ids(tokens)
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"a cache salt is a non-empty string, got {salt!r}")
+        slot.root = salted_root(salt)
+        digests = unit_digests(tokens, (len(tokens) - 1) // unit, unit, slot.root)
+        found = self.longest_prefix(digests)
+        self.counters.queries += len(tokens)
+        slot.digests = digests[: len(found)]
+        return found
+
+    def register(self, slot: Slot, tokens: Sequence[int], unit: int, steps: int) -> None:
+        """Caches the full units of `tokens` (the tokens whose KV the slot holds, from its
+        first) that the slot has not cached yet, `steps` page steps each, chaining the slot's
+        digests on."""
+        done = len(slot.digests)
+        new = token_ids(tokens[done * unit : len(tokens) // unit * unit])
+        parent = slot.digests[-1] if slot.digests else slot.root
+        for index, digest in enumerate(unit_digests(new, len(new) // unit, unit, parent), done):
+            self.insert(digest, slot.pages[index * steps : (index + 1) * steps])
+            slot.digests.append(digest)
 
     def insert(self, digest: bytes, pages: list[list[int]]) -> None:
         """Keeps a full unit's pages under its digest (one reference each); a digest already
