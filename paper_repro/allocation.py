@@ -211,7 +211,7 @@ def plot(
     save_figure(fig, path, title)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--page-sizes", default="4K,64K,256K,2M", help="comma-separated page sizes")
     parser.add_argument("--total", default="512M", help="bytes mapped per run for pages >= --small-below")
@@ -239,7 +239,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.quick:
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)
+    return args
 
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     page_sizes = [parse_size(p) for p in args.page_sizes.split(",")]
     paths = [p.strip() for p in args.paths.split(",")]
     if "native" in paths and not native_available():
@@ -262,14 +266,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         desc="allocation",
     )
     meta["cpu_during_mapping"] = cpu_map.stop()
-    fills: dict[str, dict[str, float]] = {}
     cpu_fill = CpuShare()
-    for nbytes in tqdm(sorted({pages[ps] * ps for ps in page_sizes}), desc="fill bandwidth", unit="size"):
-        fills[str(nbytes)] = {
-            **fill_bandwidth(nbytes, args.reps, args.fill_threads),
-            **{f"1thread_{k}": v for k, v in fill_bandwidth(nbytes, args.reps, 1).items()},
-        }
-
+    fills = fill_bandwidths(sorted({pages[ps] * ps for ps in page_sizes}), args.reps, args.fill_threads)
     meta["cpu_during_fill"] = cpu_fill.stop()
     summary = summarize(raw)
     fill_rows = [
@@ -299,7 +297,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     title = f"{meta['command']}  |  {meta['cpu_model']}, {meta['nproc']} cores, {meta['date']}"
     plot(summary, fills, args.fill_threads, png_path, title)
+    print_summary(summary, fills, meta)
+    print(f"wrote {csv_path}, {json_path}, {png_path}")
 
+
+def fill_bandwidths(sizes: list[int], reps: int, threads: int) -> dict[str, dict[str, float]]:
+    """torch's fill bandwidth over each size, with `threads` threads and with one."""
+    fills: dict[str, dict[str, float]] = {}
+    for nbytes in tqdm(sizes, desc="fill bandwidth", unit="size"):
+        fills[str(nbytes)] = {
+            **fill_bandwidth(nbytes, reps, threads),
+            **{f"1thread_{k}": v for k, v in fill_bandwidth(nbytes, reps, 1).items()},
+        }
+    return fills
+
+
+def print_summary(summary: list[dict[str, Any]], fills: dict[str, dict[str, float]], meta: dict[str, Any]) -> None:
     columns = (
         *mapping.run_columns(7),
         ("MiB", "mib", 5, ""),
@@ -320,7 +333,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"CPU share taken by other processes: {meta['cpu_during_mapping']['other_share']:.0%} while mapping, "
         f"{meta['cpu_during_fill']['other_share']:.0%} while filling"
     )
-    print(f"wrote {csv_path}, {json_path}, {png_path}")
 
 
 if __name__ == "__main__":

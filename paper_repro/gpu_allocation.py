@@ -200,7 +200,7 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
     save_figure(fig, path, title)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--page-sizes", default="2M,4M,8M,16M,32M", help="comma-separated, multiples of 2M")
     parser.add_argument(
@@ -217,28 +217,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.quick:
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)
-    page_sizes = [parse_size(p) for p in args.page_sizes.split(",")]
-    paths = [p.strip() for p in args.paths.split(",")]
-    if unknown := set(paths) - set(PATHS):
+    args.page_sizes = [parse_size(p) for p in args.page_sizes.split(",")]
+    args.paths = [p.strip() for p in args.paths.split(",")]
+    if unknown := set(args.paths) - set(PATHS):
         raise SystemExit(f"unknown paths {sorted(unknown)}; choose from {list(PATHS)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    page_sizes = args.page_sizes
     exit_unless_cuda()
 
-    skipped, granularity = probe_paths(paths)
+    skipped, granularity = probe_paths(args.paths)
     if wrong := [size_label(ps) for ps in page_sizes if ps % granularity]:
         raise SystemExit(f"page sizes {wrong} are not multiples of the CUDA granularity {size_label(granularity)}")
     for path, reason in skipped.items():
         print(f"skipping the {path} path: {reason}")
-    paths = [p for p in paths if p not in skipped]
+    paths = [p for p in args.paths if p not in skipped]
     if not paths:
         cannot_run("no call path is available")
 
-    free, _ = torch.cuda.mem_get_info()
-    total = min(parse_size(args.total), int(free * FREE_SHARE))
+    total = bytes_per_run(parse_size(args.total))
     pages = {ps: total // ps for ps in page_sizes}
     if too_big := [size_label(ps) for ps, n in pages.items() if n == 0]:
         raise SystemExit(f"pages {too_big} are larger than the {total // MiB} MiB a run may map")
-    if total < parse_size(args.total):
-        print(f"note: --total cut to {total // MiB} MiB ({FREE_SHARE:.0%} of the {free // MiB} MiB free)")
 
     meta = {"command": command_line(), **machine_facts(), "gpu": gpu_facts()}
     for path in paths:  # warm-up, not recorded: driver and library first-call costs
@@ -276,15 +279,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     gpu = meta["gpu"]
     title = f"{meta['command']}  |  {gpu['device_name']}, driver CUDA {gpu['driver_cuda_version']}, {meta['date']}"
     plot(summary, png_path, title)
+    print_summary(summary, f"{gpu['device_name']}: {total // MiB} MiB per run, median of {args.reps}")
+    print(f"wrote {csv_path}, {json_path}, {png_path}")
 
+
+def bytes_per_run(asked: int) -> int:
+    """`--total`, cut to FREE_SHARE of the GPU's free memory."""
+    free, _ = torch.cuda.mem_get_info()
+    total = min(asked, int(free * FREE_SHARE))
+    if total < asked:
+        print(f"note: --total cut to {total // MiB} MiB ({FREE_SHARE:.0%} of the {free // MiB} MiB free)")
+    return total
+
+
+def print_summary(summary: list[dict[str, Any]], caption: str) -> None:
     columns = (
         *mapping.run_columns(12),
         ("GB/s", "gbps", 8, ".1f"),
         ("map GB/s", "map_only_gbps", 9, ".1f"),
         *mapping.per_page_columns(".1f", {call: call for call in ("create", "map", "unmap", "release")}),
     )
-    print_table(summary, columns, f"{gpu['device_name']}: {total // MiB} MiB per run, median of {args.reps}")
-    print(f"wrote {csv_path}, {json_path}, {png_path}")
+    print_table(summary, columns, caption)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ from vattn import KVCache, KVCacheConfig
 from vattn.backends.host import MAP_COUNT_HEADROOM, current_map_count, max_map_count
 from vattn.config import DTYPES
 from vattn.sizes import GiB, KiB, MiB, parse_size, size_label
-from vattn.stats import CallTotals, MappingCounters
+from vattn.stats import CacheStats, CallTotals, MappingCounters
 
 MODES = {"sync": False, "background": True}
 P99_TARGET = 0.05
@@ -345,18 +345,32 @@ def run_mode(
             cpu.stop()
         cache.wait_for_background()
         stats = cache.stats()
-        delta = counters_delta(stats.counters, before)
+    extra = {"calls": calls, "cpu": cpu.result, "prewarm": prewarm, "gc": gc_timer}
+    return rows, summarize(mode, args.backend, config, rows, stats, counters_delta(stats.counters, before), extra)
 
+
+def summarize(
+    mode: str,
+    backend: str,
+    config: KVCacheConfig,
+    rows: list[dict[str, Any]],
+    stats: CacheStats,
+    delta: dict[str, float],
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """One mode's summary: step() percentiles (at and between page boundaries), where page
+    needs were met, per-page costs, and the machine's state while it ran."""
+    gc_timer = extra["gc"]
     step_us = [r["step_us"] for r in rows]
     at_boundary = [r["step_us"] for r in rows if r["boundaries"]]
     between = [r["step_us"] for r in rows if not r["boundaries"]]
     needs = int(delta["page_needs"])
     in_step = int(delta["needs_mapped_in_step"])
-    summary = {
+    return {
         "mode": mode,
-        "backend": args.backend,
+        "backend": backend,
         "background": config.background,
-        "calls": calls,
+        "calls": extra["calls"],
         "iterations": len(rows),
         "step_us": percentiles(step_us),
         "step_us_at_boundary": percentiles(at_boundary) if at_boundary else None,
@@ -376,8 +390,8 @@ def run_mode(
         else None,
         "map_us_per_page": 1e6 * delta["map_seconds"] / delta["map_pages"] if delta["map_pages"] else None,
         "background_errors": stats.background_errors,
-        "cpu": cpu.result,
-        "prewarm": prewarm,
+        "cpu": extra["cpu"],
+        "prewarm": extra["prewarm"],
         "gc_collections": gc_timer.collections,
         "gc_seconds": gc_timer.seconds,
         "gc_us_in_step_total": sum(r["gc_in_step_us"] for r in rows),
@@ -386,7 +400,6 @@ def run_mode(
         "pool_pages": config.pool_pages,
         "pages_created": stats.pages_created,
     }
-    return rows, summary
 
 
 def plot(rows: list[dict[str, Any]], summaries: dict[str, dict[str, Any]], path: Path, title: str) -> None:
@@ -424,7 +437,7 @@ def plot(rows: list[dict[str, Any]], summaries: dict[str, dict[str, Any]], path:
     save_figure(fig, path, title)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     host, cuda = BACKEND_DEFAULTS["host"], BACKEND_DEFAULTS["cuda"]
 
@@ -485,9 +498,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             setattr(args, key, value)
     args.name = args.name or RESULT_NAMES[args.backend]
     args.native = {"auto": None, "yes": True, "no": False}[args.native]
-    modes = [m.strip() for m in args.modes.split(",")]
-    if unknown := set(modes) - set(MODES):
+    args.modes = [m.strip() for m in args.modes.split(",")]
+    if unknown := set(args.modes) - set(MODES):
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {sorted(MODES)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.backend == "cuda":
         exit_unless_cuda()
 
@@ -509,10 +527,27 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     rows: list[dict[str, Any]] = []
     summaries: dict[str, dict[str, Any]] = {}
-    for mode in tqdm(modes, desc="modes", unit="mode"):
+    for mode in tqdm(args.modes, desc="modes", unit="mode"):
         mode_rows, summaries[mode] = run_mode(mode, args, compute)
         rows += mode_rows
+    verdict = judge(summaries)
 
+    config_args = {k: v for k, v in vars(args).items() if k != "out"}
+    payload = {"meta": meta, "args": config_args, "summary": summaries, "verdict": verdict}
+    csv_path, json_path, png_path = write_results(args.out, args.name, rows, payload)
+    machine = f"{meta['gpu']['device_name']}, " if "gpu" in meta else ""
+    title = f"{meta['command']}  |  {machine}{meta['cpu_model']}, {meta['nproc']} cores, {meta['date']}"
+    plot(rows, summaries, png_path, title)
+    print(
+        f"\n{args.backend}: {machine}{size_label(args.page_size)} pages, {args.slots} slots x {args.layers} layers, "
+        f"{args.iterations} iterations, compute {meta['compute']} (~{args.compute_ms} ms)"
+    )
+    print_table(summaries, verdict)
+    print(f"wrote {csv_path}, {json_path}, {png_path}")
+
+
+def judge(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Background against synchronous mapping, against the paper's targets (empty without both)."""
     verdict: dict[str, Any] = {}
     if "sync" in summaries and "background" in summaries:
         sync_p99 = summaries["sync"]["step_us"]["p99"]
@@ -531,18 +566,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             # Informational: the sync p99 includes the VM's slow first touches, so also compare
             # with a typical synchronous page step (the median step() that crossed a boundary).
             verdict["p99_ratio_vs_sync_boundary_p50"] = bg["step_us"]["p99"] / sync_boundary["p50"]
+    return verdict
 
-    config_args = {k: v for k, v in vars(args).items() if k != "out"}
-    payload = {"meta": meta, "args": config_args, "summary": summaries, "verdict": verdict}
-    csv_path, json_path, png_path = write_results(args.out, args.name, rows, payload)
-    machine = f"{meta['gpu']['device_name']}, " if "gpu" in meta else ""
-    title = f"{meta['command']}  |  {machine}{meta['cpu_model']}, {meta['nproc']} cores, {meta['date']}"
-    plot(rows, summaries, png_path, title)
 
-    print(
-        f"\n{args.backend}: {machine}{size_label(args.page_size)} pages, {args.slots} slots x {args.layers} layers, "
-        f"{args.iterations} iterations, compute {meta['compute']} (~{args.compute_ms} ms)"
-    )
+def print_table(summaries: dict[str, dict[str, Any]], verdict: dict[str, Any]) -> None:
     print(
         f"{'mode':>10} {'p50 us':>8} {'p99 us':>8} {'max us':>8} {'mean us':>8} {'needs':>6} "
         f"{'in step':>8} {'/100':>6} {'by bg':>6} {'write ms':>9} {'compute ms':>10}"
@@ -581,7 +608,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         if s["background_errors"]:
             print(f"{mode}: the background mapper failed {s['background_errors']} times (step() mapped instead)")
-    print(f"wrote {csv_path}, {json_path}, {png_path}")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ from vattn import KVCache, KVCacheConfig
 from vattn.attention import AttentionKernel
 from vattn.kernels import make_kernel
 from vattn.sizes import KiB, MiB
-from vattn.stats import MappingCounters
+from vattn.stats import CacheStats, MappingCounters
 
 PAGE_SIZES = (64 * KiB, 256 * KiB, 2 * MiB)
 SLOTS = 4
@@ -162,7 +162,18 @@ def run_stream(setting: Setting, page_size: int, prompts: list[int], decode_step
     cpu, end = share.stop(), cache.stats()
     del kernel
     cache.close()
-    records = records[warmup:]
+    measured = {"page_size": page_size, "page": page_label(page_size), "setting": setting.label}
+    return (
+        measured
+        | stream_row(setting, records[warmup:], prompts[warmup:], start, end)
+        | {"other_cpu_share": cpu["other_share"]}
+    )
+
+
+def stream_row(
+    setting: Setting, records: list[dict[str, Any]], prompts: list[int], start: CacheStats, end: CacheStats
+) -> dict[str, Any]:
+    """The measured requests' times (percentiles) and the cache's counters between `start` and `end`."""
     times = {
         f"{name}_{key}_ms": 1000 * value
         for name in ("prefill", "step", "compute")
@@ -172,14 +183,11 @@ def run_stream(setting: Setting, page_size: int, prompts: list[int], decode_step
     decode = [seconds for r in records for seconds in r["decode"]] or [0.0]
     counters, begin = end.counters, start.counters
     return {
-        "page_size": page_size,
-        "page": page_label(page_size),
-        "setting": setting.label,
         "overlap": setting.overlap,
         "deferred": setting.deferred,
         "eager": setting.eager,
         "requests": len(records),
-        "prompt_mean": sum(prompts[warmup:]) / len(records),
+        "prompt_mean": sum(prompts) / len(records),
         **times,
         "decode_step_mean_ms": 1000 * sum(decode) / len(decode),
         "decode_step_max_ms": 1000 * max(decode),
@@ -192,7 +200,6 @@ def run_stream(setting: Setting, page_size: int, prompts: list[int], decode_step
         "fresh_pages_taken": end.fresh_pages_taken - start.fresh_pages_taken,
         "recycled_pages_taken": end.recycled_pages_taken - start.recycled_pages_taken,
         "background_errors": end.background_errors,
-        "other_cpu_share": cpu["other_share"],
     }
 
 
