@@ -27,20 +27,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-import torch
 from tqdm import tqdm
 
 from measure.results import RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
+from measure.workloads import random_token_prompts
 from serving import LLM, SamplingParams
 from vattn.sizes import MiB
-
-
-def make_prompts(count: int, tokens: int, seed: int) -> list[list[int]]:
-    """Seeded random token ids, lengths uniform in tokens +- 6%."""
-    generator = torch.Generator().manual_seed(seed)
-    spread = max(1, tokens * 6 // 100)
-    lengths = torch.randint(tokens - spread, tokens + spread + 1, (count,), generator=generator).tolist()
-    return [torch.randint(100, 40_000, (n,), generator=generator).tolist() for n in lengths]
 
 
 def engines(prompts: list[list[int]], args: argparse.Namespace) -> dict[str, LLM]:
@@ -76,7 +68,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
 
-    prompts = make_prompts(args.requests, args.prompt_tokens, seed=0)
+    spread = max(1, args.prompt_tokens * 6 // 100)  # lengths within +-6%
+    prompts = random_token_prompts(args.requests, args.prompt_tokens - spread, args.prompt_tokens + spread, 40_000, 0)
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
     llms = engines(prompts, args)
     budget = llms["tight"].engine.config.kv_budget
@@ -88,22 +81,9 @@ def main() -> None:
             for name, llm in llms.items():
                 results[name].append(run(llm, prompts, params))
                 bar.update()
-    baseline = min(t for t, _ in results[next(iter(llms))])
-    rows: list[dict[str, Any]] = []
-    for name, runs in results.items():
-        best = min(t for t, _ in runs)
-        rows.append(
-            {
-                "engine": name,
-                "seconds": best,
-                "seconds_all_rounds": [round(t, 2) for t, _ in runs],
-                "ratio_to_ample": best / baseline,
-                "preemptions_per_round": [p for _, p in runs],
-                "output_tokens_per_s": args.requests * args.output_tokens / best,
-            }
-        )
     for llm in llms.values():
         llm.close()
+    rows = tabulate(results, args.requests * args.output_tokens)
     payload = {
         "command": command_line(),
         "machine": machine_facts(),
@@ -124,6 +104,30 @@ def main() -> None:
     )
     for row in rows:
         print(f"{row['engine']}: preemptions per round {row['preemptions_per_round']}")
+    plot(rows, png_path, f"{args.requests} requests through a KV budget that holds {args.fits}")
+    print(f"wrote {csv_path}, {json_path}, {png_path}")
+
+
+def tabulate(results: dict[str, list[tuple[float, int]]], output_tokens: int) -> list[dict[str, Any]]:
+    """One row per engine: its best round, against the first engine's (ample memory)."""
+    baseline = min(t for t, _ in next(iter(results.values())))
+    rows: list[dict[str, Any]] = []
+    for name, runs in results.items():
+        best = min(t for t, _ in runs)
+        rows.append(
+            {
+                "engine": name,
+                "seconds": best,
+                "seconds_all_rounds": [round(t, 2) for t, _ in runs],
+                "ratio_to_ample": best / baseline,
+                "preemptions_per_round": [p for _, p in runs],
+                "output_tokens_per_s": output_tokens / best,
+            }
+        )
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.barh([r["engine"] for r in rows], [r["seconds"] for r in rows], color="tab:blue")
     for i, row in enumerate(rows):
@@ -131,8 +135,7 @@ def main() -> None:
         ax.text(row["seconds"], i, label, va="center")
     ax.set_xlabel("seconds for all requests (best round)")
     ax.set_xlim(0, max(r["seconds"] for r in rows) * 1.6)
-    save_figure(fig, png_path, f"{args.requests} requests through a KV budget that holds {args.fits}")
-    print(f"wrote {csv_path}, {json_path}, {png_path}")
+    save_figure(fig, path, title)
 
 
 if __name__ == "__main__":

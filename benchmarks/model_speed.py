@@ -85,7 +85,7 @@ def decode_step(llm: LLM, batch: int, context: int, steps: int, vocab: int) -> d
     return {"step_ms": 1000 * wall, "outside_ops_share": max(0.0, 1 - in_ops / profiled)}
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="fp32,int8", help=f"comma list of {', '.join(CONFIGS)}")
     parser.add_argument("--prompt-tokens", type=int, default=2000)
@@ -97,8 +97,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quality-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
-    configs = args.configs.split(",")
-    batches = [int(b) for b in args.batches.split(",")]
+    args.configs = args.configs.split(",")
+    args.batches = [int(b) for b in args.batches.split(",")]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    configs, batches = args.configs, args.batches
     model_dir = ensure_default_model()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     engines = {
@@ -111,16 +117,40 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         for name in configs
     }
-    vocab = hf.config.vocab_size
     ids = long_prompt(next(iter(engines.values())), args.prompt_tokens)
-    rows: list[dict[str, Any]] = []
+    rows = prefill_rows(hf, engines, ids, args.new_tokens, args.rounds)
+    for name, llm in tqdm(engines.items(), desc="decode steps"):
+        for batch in batches:
+            rows.append(
+                {"table": "decode", "config": name, "batch": batch}
+                | decode_step(llm, batch, args.context, args.steps, hf.config.vocab_size)
+            )
+    rows += quality_rows(engines, args.quality_tokens)
+    for llm in engines.values():
+        llm.close()
 
+    csv_path, json_path, png_path = write_results(
+        args.out,
+        "model_speed",
+        rows,
+        {"command": command_line(), "machine": machine_facts(), "args": vars(args), "rows": rows},
+    )
+    print_tables(rows, args)
+    plot(rows, configs, png_path)
+    print(f"\nwrote {csv_path}, {json_path}, {png_path}")
+
+
+def prefill_rows(
+    hf: torch.nn.Module, engines: dict[str, LLM], ids: list[int], new_tokens: int, rounds: int
+) -> list[dict[str, Any]]:
+    """A long prompt and `new_tokens` through HF generate and each engine, best of alternating rounds."""
+    rows: list[dict[str, Any]] = []
     hf_runs: list[tuple[float, list[int]]] = []
     best: dict[str, tuple[float, float, list[int]]] = {}
-    for _ in tqdm(range(args.rounds), desc="prefill rounds"):  # alternating, best of each
-        hf_runs.append(time_hf(hf, ids, args.new_tokens))
+    for _ in tqdm(range(rounds), desc="prefill rounds"):  # alternating, best of each
+        hf_runs.append(time_hf(hf, ids, new_tokens))
         for name, llm in engines.items():
-            run = time_vattn(llm, ids, args.new_tokens)
+            run = time_vattn(llm, ids, new_tokens)
             best[name] = min(best.get(name, run), run)
     hf_best = min(hf_runs)
     for name, (seconds, ttft, tokens) in best.items():
@@ -135,15 +165,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "same_tokens_as_hf": tokens == hf_best[1],
             }
         )
+    return rows
 
-    for name, llm in tqdm(engines.items(), desc="decode steps"):
-        for batch in batches:
-            rows.append(
-                {"table": "decode", "config": name, "batch": batch}
-                | decode_step(llm, batch, args.context, args.steps, vocab)
-            )
 
-    params = SamplingParams(max_tokens=args.quality_tokens, temperature=0)
+def quality_rows(engines: dict[str, LLM], tokens: int) -> list[dict[str, Any]]:
+    """Each engine's greedy chat answers against fp32's: identical ones and the agreeing share."""
+    rows: list[dict[str, Any]] = []
+    params = SamplingParams(max_tokens=tokens, temperature=0)
     answers = {
         name: [
             out.token_ids
@@ -167,15 +195,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "mean_agreeing_prefix": sum(agreement) / len(agreement),
             }
         )
-    for llm in engines.values():
-        llm.close()
+    return rows
 
-    csv_path, json_path, png_path = write_results(
-        args.out,
-        "model_speed",
-        rows,
-        {"command": command_line(), "machine": machine_facts(), "args": vars(args), "rows": rows},
-    )
+
+def print_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print_table(
         [r for r in rows if r["table"] == "prefill"],
         [
@@ -208,8 +231,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         ],
         "greedy answers against fp32",
     )
-    plot(rows, configs, png_path)
-    print(f"\nwrote {csv_path}, {json_path}, {png_path}")
 
 
 def _prefix_share(tokens: list[int], reference: list[int]) -> float:

@@ -359,7 +359,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     save_figure(fig, path, title)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[System]]:
+    """The options and the systems they choose, in the order they are measured."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--vattn",
@@ -400,7 +401,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         if unknown:
             parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
         systems = [s for s in systems if s.name in wanted or ("vattn" in wanted and s.name.startswith("vattn-"))]
+    return args, systems
 
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args, systems = parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     # Fresh prompts for each level and the warm-up, the same for every system: a peer's prefix cache
     # must not serve a level from the prompts of an earlier one.
@@ -416,6 +421,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         _, _, png = write_results(args.out, args.name, rows, payload | {"systems": infos, "rows": rows})
         if rows:
             plot(rows, png, f"{args.requests} requests per level, {args.output_tokens} output tokens, streaming")
+    print_summary(rows, infos)
+    print(f"server logs: {logs}")
+
+
+def print_summary(rows: list[dict[str, Any]], infos: list[dict[str, Any]]) -> None:
     print_table(
         rows,
         [
@@ -434,7 +444,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     for info in infos:
         status = info.get("error") or (f"skipped: {info['skip']}" if info["skip"] else "ok")
         print(f"{info['name']}: {info['version']}: {status.splitlines()[0]}")
-    print(f"server logs: {logs}")
 
 
 if __name__ == "__main__":
