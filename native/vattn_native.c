@@ -1,6 +1,6 @@
 /* Batched page mapping for the host backend (and, further down, the CUDA backend).
  *
- * One call maps, unmaps or pre-faults a whole batch of pages, so a page step of a
+ * One call maps, unmaps or pre-faults a whole batch of pages, so a page group of a
  * 30-layer model (60 pages) costs one foreign call instead of 60. Python loads this
  * with ctypes.CDLL, which releases the GIL for the duration of each call, so the
  * background mapper thread does not stall the model loop.

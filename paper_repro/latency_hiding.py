@@ -564,7 +564,7 @@ def judge(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
         sync_boundary = summaries["sync"]["step_us_at_boundary"]
         if sync_boundary:
             # Informational: the sync p99 includes the VM's slow first touches, so also compare
-            # with a typical synchronous page step (the median step() that crossed a boundary).
+            # with a typical synchronous page group (the median step() that crossed a boundary).
             verdict["p99_ratio_vs_sync_boundary_p50"] = bg["step_us"]["p99"] / sync_boundary["p50"]
     return verdict
 

@@ -9,7 +9,7 @@ host page size.
   that gets the reqid. Off: `release_idle()` right after each `free_reqid`, which unmaps
   every idle slot's pages back into the pool (where they stay faulted in: the next map
   takes recycled pages, not fresh ones).
-- eager allocation: one page step pre-mapped behind the reqid handed out next
+- eager allocation: one page group pre-mapped behind the reqid handed out next
   (`KVCacheConfig.eager_pages` 1; off: 0).
 
 Measured at the allocator level on the real host backend (memfd pages mapped into the
@@ -258,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             ("dec step", "decode_step_mean_ms", 8, ".3f"),
         ],
         f"prefill (step + attention of every layer), {args.requests} requests of "
-        f"{args.min_prompt}..{args.max_prompt} tokens; page needs of the prefills (page steps); "
+        f"{args.min_prompt}..{args.max_prompt} tokens; page needs of the prefills (page groups); "
         "decode step: mean ms inside step()",
     )
     plot(rows, png_path)

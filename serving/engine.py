@@ -34,7 +34,7 @@ from serving.request import (
 )
 from serving.sampler import SamplingError, check_satisfiable, sample
 from serving.sampling_params import SamplingParams
-from serving.scheduler import Scheduler, plan_forks
+from serving.scheduler import Scheduler, assign_fork_parents
 from serving.stop_strings import find_stop, held_back
 from serving.structured_output import GrammarCompiler, GrammarError, advance
 from vattn import CacheStats
@@ -138,7 +138,7 @@ class LLMEngine:
                 self.abort(request_id)
             raise
         if (min_tokens := self.kv.fork_min_tokens()) is not None:
-            plan_forks([self._requests[request_id] for request_id in ids], min_tokens)
+            assign_fork_parents([self._requests[request_id] for request_id in ids], min_tokens)
         return ids
 
     def abort(self, request_id: str) -> None:

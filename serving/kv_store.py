@@ -140,7 +140,7 @@ class VirtualKVStore(CacheStore):
 
     def slot_bytes(self, num_tokens: int) -> int:
         config = self.cache.config
-        return config.pages_for(num_tokens) * config.page_step_bytes
+        return config.pages_for(num_tokens) * config.page_group_bytes
 
     def reuse_prefix(self, slot: int, token_ids: Sequence[int], salt: str | None = None) -> int:
         return self.cache.match_prefix(slot, token_ids, salt) if self._prefix_caching else 0

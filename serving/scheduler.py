@@ -168,7 +168,7 @@ class Scheduler:
             request.slot = None
 
 
-def plan_forks(requests: Sequence[Request], min_tokens: int) -> None:
+def assign_fork_parents(requests: Sequence[Request], min_tokens: int) -> None:
     """Points each request at the earlier one whose prompt shares the longest prefix with its
     own, to fork it there: always for an equal prompt, else when `min_tokens` are shared.
     Both keep at least their last prompt token to compute (its logits are needed)."""

@@ -57,7 +57,7 @@ def test_budget_limits_the_pool_and_defaults_to_full_capacity() -> None:
         ({"lookahead_tokens": -1}, "lookahead_tokens must be an integer >= 0"),
         ({"eager_pages": -2}, "eager_pages must be an integer >= 0"),
         ({"memory_budget": 0}, "memory_budget must be a positive integer"),
-        ({"memory_budget": 64 * 1024}, "one page step of this layout needs 60"),
+        ({"memory_budget": 64 * 1024}, "one page group of this layout needs 60"),
     ],
 )
 def test_bad_config_raises_value_error(overrides: dict[str, Any], message: str) -> None:

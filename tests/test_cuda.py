@@ -119,7 +119,7 @@ def test_virtual_tensors_are_gpu_tensors_over_the_reservation(make_cuda_cache: C
     keys, _ = cache.layer_tensors(0)
     assert keys.device.type == "cuda" and keys.shape == (4, 4096, 8, 128)
     assert keys.data_ptr() % cache.backend.granularity == 0
-    assert cache.stats().mapped_bytes <= PAGE * cache.config.num_buffers  # at most the eager page step
+    assert cache.stats().mapped_bytes <= PAGE * cache.config.num_buffers  # at most the eager page group
     reqid = cache.alloc_reqid()
     cache.step({reqid: 1500})
     written = torch.arange(1500 * 8 * 128, device="cuda").reshape(1500, 8, 128).remainder(1009).to(torch.bfloat16)

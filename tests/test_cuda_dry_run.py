@@ -53,7 +53,7 @@ from vattn.sizes import MiB
 KERNELS = {"paged": "paged_gather", "virtual": "sdpa"}
 """Each cache kind's torch-SDPA kernel; `paged_gather` runs SDPA over a copy of each request's blocks."""
 KV_BUDGETS = {"paged": 32 * MiB, "virtual": 512 * MiB}
-"""The virtual cache's first page step maps a 2 MiB page for each of 60 tensors (30 layers' K and V)."""
+"""The virtual cache's first page group maps a 2 MiB page for each of 60 tensors (30 layers' K and V)."""
 
 MAX_BATCHED_TOKENS = 32
 PROMPTS = {

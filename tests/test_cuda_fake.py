@@ -52,7 +52,7 @@ def test_a_batch_failing_halfway_is_rolled_back_and_changes_nothing(fake: FakeDr
         reqid = cache.alloc_reqid()
         cache.step({reqid: 40})
         before = cache.stats()
-        fake.fail(call, at=3)  # 200 tokens need 5 more page steps x 4 tensors: the 3rd page fails
+        fake.fail(call, at=3)  # 200 tokens need 5 more page groups x 4 tensors: the 3rd page fails
         with pytest.raises(MapError, match=r"mapping page 2 of \d+ failed: CUDA_ERROR_INVALID_VALUE"):
             cache.step({reqid: 200})
         after = cache.stats()

@@ -13,7 +13,7 @@ from serving import LLM, SamplingParams
 from serving.default_model import default_gguf, ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
 from serving.request import Request
-from serving.scheduler import plan_forks
+from serving.scheduler import assign_fork_parents
 from serving.structured_output import StructuredOutput
 
 PROMPTS = [
@@ -75,7 +75,7 @@ def test_greedy_matches_hf_generate_under_continuous_batching(llm: LLM, hf_greed
 
 
 def test_preemption_keeps_outputs_and_returns_every_page(hf_greedy: list[list[int]]) -> None:
-    # 16 KiB pages hold 21 tokens per layer tensor; 8 MiB is 8 page steps over 60 tensors, for
+    # 16 KiB pages hold 21 tokens per layer tensor; 8 MiB is 8 page groups over 60 tensors, for
     # 8 requests of 40-100 tokens: they outgrow it as they decode, and some are preempted
     # (admission reserves no room for output here: by default it would hold requests back).
     small = LLM(**{**ENGINE, "kv_budget": 8 << 20, "max_context": 160, "page_size": 16 << 10, "reserve_tokens": 0})
@@ -251,7 +251,7 @@ def test_bad_input_raises_value_error_and_queues_nothing(llm: LLM, make: Any, me
 
 def test_the_prefix_cache_changes_no_token_across_eviction() -> None:
     """Prompts behind a shared ~150-token system prompt and a unit of their own, 16 KiB pages
-    (a unit is 64 tokens, 3 page steps), a budget of 21 page steps: a request needs 11 and the
+    (a unit is 64 tokens, 3 page groups), a budget of 21 page groups: a request needs 11 and the
     distinct units 18, so units are hit and evicted, and every greedy token equals the
     engine's without a prefix cache."""
     system = "You are a careful assistant for a lighthouse museum. " * 15
@@ -317,14 +317,14 @@ def test_prompts_sharing_a_prefix_fork_it_instead_of_computing_it_each() -> None
 
 
 def test_fork_planning_picks_the_longest_shared_prefix() -> None:
-    """`plan_forks`: the earlier prompt sharing the most; equal prompts always; short matches never."""
+    """`assign_fork_parents`: the earlier prompt sharing the most; equal prompts always; short matches never."""
 
     def request(ids: list[int]) -> Request:
         return Request("r", None, ids, GREEDY, None, None)  # type: ignore[arg-type]
 
     ids = ([1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 3, 4, 7, 8], [1, 2, 3, 4, 7, 9], [1, 2, 3], [7, 7], [7, 7])
     a, b, c, d, e, f, g = (request(prompt) for prompt in ids)
-    plan_forks([a, b, c, d, e, f, g], min_tokens=2)
+    assign_fork_parents([a, b, c, d, e, f, g], min_tokens=2)
     assert (b.fork_of, b.fork_at) == (a, 3)
     assert (c.fork_of, c.fork_at) == (a, 4)  # a shares 4 tokens, b only 3
     assert (d.fork_of, d.fork_at) == (c, 5)

@@ -146,7 +146,7 @@ def test_background_thread_maps_ahead_and_eagerly(make_cache: MakeCache) -> None
 
 
 def test_idle_pages_are_reclaimed_when_a_step_needs_them(make_cache: MakeCache) -> None:
-    cache = make_cache(background=False, memory_budget=20 * 8 * 4096)  # 20 page steps
+    cache = make_cache(background=False, memory_budget=20 * 8 * 4096)  # 20 page groups
     reqids = [cache.alloc_reqid() for _ in range(4)]
     cache.step(dict.fromkeys(reqids, 160))  # 5 steps each: the pool is full
     for reqid in reqids[1:]:

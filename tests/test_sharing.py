@@ -34,7 +34,7 @@ def snapshot(cache: KVCache, reqid: int, tokens: int) -> list[torch.Tensor]:
 def test_a_cached_prefix_is_mapped_not_copied_and_reads_the_same(make_cache: MakeCache) -> None:
     cache = make_cache(**ODD)
     unit = cache.config.unit_tokens
-    assert (cache.config.unit_steps, unit) == (3, 64)
+    assert (cache.config.unit_groups, unit) == (3, 64)
     prompt = list(range(100, 300))  # 200 tokens: 3 whole units
     first = cache.alloc_reqid()
     assert cache.match_prefix(first, prompt) == 0
@@ -137,9 +137,9 @@ def test_cached_pages_are_evicted_when_a_step_needs_them_and_all_come_back(make_
 def test_a_freed_slot_drops_only_shared_pages_and_keeps_deferred_reclamation(make_cache: MakeCache) -> None:
     cache = make_cache(**ODD, max_slots=1, background=False)
     reqid = cache.alloc_reqid()
-    write(cache, reqid, list(range(300)))  # 15 page steps, no sharing
+    write(cache, reqid, list(range(300)))  # 15 page groups, no sharing
     cache.free_reqid(reqid)
-    assert cache.stats().idle_bytes == 15 * cache.config.page_step_bytes
+    assert cache.stats().idle_bytes == 15 * cache.config.page_group_bytes
     again = cache.alloc_reqid()
     assert again == reqid and len(cache.page_table(again)) == 15  # deferred reclamation: kept
     prompt = list(range(300))
@@ -148,7 +148,7 @@ def test_a_freed_slot_drops_only_shared_pages_and_keeps_deferred_reclamation(mak
     cache.free_reqid(again)
     last = cache.alloc_reqid()  # its first pages are cached: it starts without them
     assert cache.page_table(last) == []
-    assert cache.stats().cached_bytes == 12 * cache.config.page_step_bytes
+    assert cache.stats().cached_bytes == 12 * cache.config.page_group_bytes
 
 
 def test_a_cache_salt_keeps_tenants_apart(make_cache: MakeCache) -> None:

@@ -48,7 +48,7 @@ class KVCacheConfig:
     lookahead_tokens: int = 1
     """How far past its current length the background thread maps each active slot."""
     eager_pages: int = 1
-    """Page steps pre-mapped behind the reqid that will be handed out next."""
+    """Page groups pre-mapped behind the reqid that will be handed out next."""
     reclaim_watermark: float = 0.05
     """Idle slots give their pages back when free pages fall under this share of the pool."""
     native: bool | None = None
@@ -76,7 +76,7 @@ class KVCacheConfig:
             if self.pool_pages < self.num_buffers:
                 raise ValueError(
                     f"memory_budget {self.memory_budget} B holds {self.pool_pages} pages of "
-                    f"{self.page_size} B, but one page step of this layout needs {self.num_buffers}"
+                    f"{self.page_size} B, but one page group of this layout needs {self.num_buffers}"
                 )
 
     @cached_property
@@ -100,8 +100,8 @@ class KVCacheConfig:
         return math.ceil(self.max_context * self.bytes_per_token / self.page_size)
 
     @cached_property
-    def unit_steps(self) -> int:
-        """Page steps of a prefix-cache unit: the fewest whole pages that end on a token's end.
+    def unit_groups(self) -> int:
+        """Page groups of a prefix-cache unit: the fewest whole pages that end on a token's end.
 
         A token that straddles a page boundary has bytes on both sides, so a page before it
         can be shared only if the token after it is never written again: sharing stops at
@@ -111,7 +111,7 @@ class KVCacheConfig:
     @cached_property
     def unit_tokens(self) -> int:
         """Tokens in a prefix-cache unit."""
-        return self.unit_steps * self.page_size // self.bytes_per_token
+        return self.unit_groups * self.page_size // self.bytes_per_token
 
     @cached_property
     def slot_stride(self) -> int:
@@ -124,8 +124,8 @@ class KVCacheConfig:
         return self.max_slots * self.slot_stride
 
     @cached_property
-    def page_step_bytes(self) -> int:
-        """Physical bytes of one page step: one page in every virtual tensor."""
+    def page_group_bytes(self) -> int:
+        """Physical bytes of one page group: one page in every virtual tensor."""
         return self.num_buffers * self.page_size
 
     @cached_property
@@ -176,9 +176,9 @@ class KVCacheConfig:
         return slot * self.slot_stride + page * self.page_size
 
     def pages_for(self, tokens: int) -> int:
-        """Page steps (one page in every virtual tensor) a slot needs to hold `tokens`."""
+        """Page groups (one page in every virtual tensor) a slot needs to hold `tokens`."""
         return math.ceil(tokens * self.bytes_per_token / self.page_size)
 
-    def tokens_in(self, page_steps: int) -> int:
-        """Tokens that lie wholly inside the first `page_steps` pages of a slot."""
-        return min(self.max_context, page_steps * self.page_size // self.bytes_per_token)
+    def tokens_in(self, page_groups: int) -> int:
+        """Tokens that lie wholly inside the first `page_groups` pages of a slot."""
+        return min(self.max_context, page_groups * self.page_size // self.bytes_per_token)

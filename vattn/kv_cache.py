@@ -81,7 +81,7 @@ class KVCache:
         with self._lock:
             self._check_open()
             slot = self._active_slot(reqid)
-            slot.active, slot.length, slot.shared_steps, slot.digests, slot.root = False, 0, 0, [], ROOT
+            slot.active, slot.length, slot.shared_groups, slot.digests, slot.root = False, 0, 0, [], ROOT
             slot.origins = [Origin.REUSED] * len(slot.pages)
         self._wake_mapper()
 
@@ -95,18 +95,18 @@ class KVCache:
         with self._lock:
             self._check_open()
             targets = self._validated_lengths(seq_lens)
-            plan = [(slot, cfg.pages_for(n) - len(slot.pages)) for slot, n in targets]
-            plan = [(slot, missing) for slot, missing in plan if missing > 0]
+            growth = [(slot, cfg.pages_for(n) - len(slot.pages)) for slot, n in targets]
+            growth = [(slot, missing) for slot, missing in growth if missing > 0]
             met = [
                 (slot, range(cfg.pages_for(slot.length), min(cfg.pages_for(n), len(slot.pages)))) for slot, n in targets
             ]
-            if plan:
+            if growth:
                 keep = {slot.index: cfg.pages_for(n) for slot, n in targets}
-                self._policy.make_room(sum(missing for _, missing in plan) * width, keep)
-                addrs = self._pages.map(plan, Origin.STEP)
+                self._policy.make_room(sum(missing for _, missing in growth) * width, keep)
+                addrs = self._pages.map(growth, Origin.STEP)
                 self._counters.populate.add(*self._pages.populate(addrs))
             already_mapped = (slot.origins[k] is Origin.BACKGROUND for slot, needed in met for k in needed)
-            self._counters.count_needs(already_mapped, sum(missing for _, missing in plan))
+            self._counters.count_needs(already_mapped, sum(missing for _, missing in growth))
             for slot, n in targets:
                 slot.length = n
         self._wake_mapper()
@@ -124,13 +124,13 @@ class KVCache:
         with self._lock:
             self._check_open()
             slot = self._active_slot(reqid)
-            if slot.length or slot.shared_steps:
+            if slot.length or slot.shared_groups:
                 raise ValueError(f"reqid {slot.index} already holds tokens: match_prefix comes before its first step")
             units = self._prefix.match(slot, tokens, self.config.unit_tokens, salt)
             if units:
-                self._pages.map_shared(slot, [step for found in units for step in found.pages])
+                self._pages.map_shared(slot, [group for found in units for group in found.pages])
                 slot.length = len(units) * self.config.unit_tokens
-                slot.shared_steps = len(units) * self.config.unit_steps
+                slot.shared_groups = len(units) * self.config.unit_groups
                 self._prefix.counters.hits += slot.length
         self._wake_mapper()
         return slot.length
@@ -144,10 +144,10 @@ class KVCache:
             slot = self._active_slot(reqid)
             if len(tokens) > slot.length:
                 raise ValueError(f"reqid {slot.index} holds {slot.length} tokens, not {len(tokens)}")
-            unit, steps = self.config.unit_tokens, self.config.unit_steps
+            unit, groups = self.config.unit_tokens, self.config.unit_groups
             if len(tokens) // unit > len(slot.digests):
-                self._prefix.register(slot, tokens, unit, steps)
-                slot.shared_steps = max(slot.shared_steps, len(slot.digests) * steps)
+                self._prefix.register(slot, tokens, unit, groups)
+                slot.shared_groups = max(slot.shared_groups, len(slot.digests) * groups)
 
     def fork_reqid(self, reqid: int) -> int:
         """A new request holding the same KV as `reqid` (parallel sampling, beam search): its
@@ -163,8 +163,8 @@ class KVCache:
             if child is None:
                 raise OutOfSlotsError(cfg.max_slots, sum(not s.active and s.pinned() for s in self._slots))
             whole = self._policy.fork(parent, child)
-            parent.shared_steps = max(parent.shared_steps, whole)
-            child.active, child.length, child.shared_steps = True, parent.length, whole
+            parent.shared_groups = max(parent.shared_groups, whole)
+            child.active, child.length, child.shared_groups = True, parent.length, whole
             child.digests, child.root = list(parent.digests), parent.root
         self._wake_mapper()
         return child.index
@@ -353,8 +353,8 @@ class KVCache:
         return list(targets.values())
 
     def _frozen_tokens(self, slot: Slot) -> int:
-        """The first token that lies wholly after the slot's shared page steps."""
-        return -(-slot.shared_steps * self.config.page_size // self.config.bytes_per_token)
+        """The first token that lies wholly after the slot's shared page groups."""
+        return -(-slot.shared_groups * self.config.page_size // self.config.bytes_per_token)
 
     def _after_fork_in_child(self) -> None:
         """The parent's threads are gone from this copy, and locks they held would stay held."""

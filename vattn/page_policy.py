@@ -1,4 +1,4 @@
-"""Which pages move, and in what order: the slot handed out next, what a step may reclaim
+"""Which pages move, and in what order: the slot handed out next, what step() may reclaim
 (cheapest loss first), and the background thread's next batch of work."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from vattn.slot import Origin, Slot
 from vattn.slot_pages import SlotPages
 
 Reclaim = tuple[Slot, int] | CachedUnit
-"""Pages that can go: a slot's last page steps (how many), or a prefix-cache entry."""
+"""Pages that can go: a slot's last page groups (how many), or a prefix-cache entry."""
 
 
 class PagePolicy:
@@ -36,8 +36,8 @@ class PagePolicy:
         return max(free, key=lambda slot: (len(slot.pages), -slot.index), default=None)
 
     def reclaimable(self, keep: Mapping[int, int], for_step: bool) -> list[Reclaim]:
-        """What can go, cheapest loss first: idle slots' pages (the next reqid's last); for a
-        step, also prefix-cache entries (least recently used first, before the next reqid's
+        """What can go, cheapest loss first: idle slots' pages (the next reqid's last); for
+        step(), also prefix-cache entries (least recently used first, before the next reqid's
         pages) and active slots' pages past what they need. `keep` overrides what a slot
         needs. Slots that live views hold keep every page."""
         nxt = self.next_free_slot()
@@ -56,12 +56,12 @@ class PagePolicy:
         return tails(idle) + units + tails([nxt] if nxt else []) + tails(active)
 
     def available_pages(self, keep: Mapping[int, int]) -> int:
-        """Free pages plus those that reclaiming everything a step may take would free: the
+        """Free pages plus those that reclaiming everything step() may take would free: the
         pages all of whose references it drops."""
         drops: Counter[int] = Counter()
         for action in self.reclaimable(keep, for_step=True):
-            for step in action.pages if isinstance(action, CachedUnit) else action[0].pages[-action[1] :]:
-                drops.update(step)
+            for group in action.pages if isinstance(action, CachedUnit) else action[0].pages[-action[1] :]:
+                drops.update(group)
         return self.pool.num_free + sum(count == self.pool.refs(page) for page, count in drops.items())
 
     def make_room(self, needed: int, keep: Mapping[int, int]) -> None:
@@ -84,17 +84,17 @@ class PagePolicy:
                 if deficit <= 0:
                     return done
                 if isinstance(action, CachedUnit):
-                    pages = [page for step in action.pages for page in step]
+                    pages = [page for group in action.pages for page in group]
                     if not sparing or any(self.pool.refs(page) == 1 for page in pages):
                         self.prefix.evict(action)
                         done = True
                     continue
                 slot, spare = action
-                steps, freed = 0, 0
-                while steps < spare and freed < deficit:  # from the tail, until they free enough
-                    steps += 1
-                    freed += sum(self.pool.refs(page) == 1 for page in slot.pages[-steps])
-                self.pages.unmap_tail([(slot, steps)])
+                groups, freed = 0, 0
+                while groups < spare and freed < deficit:  # from the tail, until they free enough
+                    groups += 1
+                    freed += sum(self.pool.refs(page) == 1 for page in slot.pages[-groups])
+                self.pages.unmap_tail([(slot, groups)])
                 done = True
         return done
 
@@ -103,16 +103,16 @@ class PagePolicy:
         the watermark, or pre-maps the next reqid. Returns addresses to populate, or None."""
         cfg, width = self.config, self.config.num_buffers
         floor = math.ceil(cfg.reclaim_watermark * self.pool.capacity)
-        plan, budget = [], self.pool.num_free
+        growth, budget = [], self.pool.num_free
         for slot in self.slots:
             if slot.active:
                 ahead = min(slot.length + cfg.lookahead_tokens, cfg.max_context)
                 missing = cfg.pages_for(ahead) - len(slot.pages)
                 if 0 < missing * width <= budget:
-                    plan.append((slot, missing))
+                    growth.append((slot, missing))
                     budget -= missing * width
-        if plan:
-            return self.pages.map(plan, Origin.BACKGROUND)
+        if growth:
+            return self.pages.map(growth, Origin.BACKGROUND)
         if self.pool.num_free < floor and self.reclaim(floor, {}, for_step=False):
             return []
         nxt = self.next_free_slot()
@@ -122,8 +122,8 @@ class PagePolicy:
         return None
 
     def fork(self, parent: Slot, child: Slot) -> int:
-        """Maps the parent's whole page steps behind the free slot `child` and copies its
-        partial last one (room made first); returns how many steps the two now share."""
+        """Maps the parent's whole page groups behind the free slot `child` and copies its
+        partial last one (room made first); returns how many page groups the two now share."""
         cfg, width = self.config, self.config.num_buffers
         written = parent.length * cfg.bytes_per_token
         whole = written // cfg.page_size

@@ -1,6 +1,6 @@
 """Finished and running requests' KV pages, findable by the tokens they hold.
 
-A request's KV is cut into units of `KVCacheConfig.unit_tokens` tokens (whole page steps
+A request's KV is cut into units of `KVCacheConfig.unit_tokens` tokens (whole page groups
 whose ends are also token ends, see there). A full unit is keyed by a digest chained over
 every token up to its end, as vLLM's block hashes are: the KV of a token depends on all
 the tokens before it, so equal digests mean equal KV. A flat table of chained digests
@@ -47,7 +47,7 @@ def chain_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
 class CachedUnit:
     digest: bytes
     pages: list[list[int]]
-    """The unit's page steps, each one page per virtual tensor."""
+    """The unit's page groups, each one page per virtual tensor."""
 
 
 @dataclass
@@ -106,15 +106,15 @@ class PrefixCache:
         slot.digests = digests[: len(found)]
         return found
 
-    def register(self, slot: Slot, tokens: Sequence[int], unit: int, steps: int) -> None:
+    def register(self, slot: Slot, tokens: Sequence[int], unit: int, groups: int) -> None:
         """Caches the full units of `tokens` (the tokens whose KV the slot holds, from its
-        first) that the slot has not cached yet, `steps` page steps each, chaining the slot's
+        first) that the slot has not cached yet, `groups` page groups each, chaining the slot's
         digests on."""
         done = len(slot.digests)
         new = token_ids(tokens[done * unit : len(tokens) // unit * unit])
         parent = slot.digests[-1] if slot.digests else slot.root
         for index, digest in enumerate(unit_digests(new, len(new) // unit, unit, parent), done):
-            self.insert(digest, slot.pages[index * steps : (index + 1) * steps])
+            self.insert(digest, slot.pages[index * groups : (index + 1) * groups])
             slot.digests.append(digest)
 
     def insert(self, digest: bytes, pages: list[list[int]]) -> None:
@@ -123,14 +123,14 @@ class PrefixCache:
         if digest in self._units:
             self._units.move_to_end(digest)
             return
-        self._pool.share(page for step in pages for page in step)
-        self._units[digest] = CachedUnit(digest, [list(step) for step in pages])
+        self._pool.share(page for group in pages for page in group)
+        self._units[digest] = CachedUnit(digest, [list(group) for group in pages])
 
     def evict(self, unit: CachedUnit) -> None:
         """Drops an entry and its references (pages no slot maps become free)."""
         del self._units[unit.digest]
         self.counters.evictions += 1
-        self._pool.give_back(page for step in unit.pages for page in step)
+        self._pool.give_back(page for group in unit.pages for page in group)
 
     def clear(self) -> None:
         for unit in self.units():

@@ -9,7 +9,7 @@ from typing import Any
 
 
 class Origin(Enum):
-    """Who mapped a page step, so stats can say whether a need was met ahead of step()."""
+    """Who mapped a page group, so stats can say whether a need was met ahead of step()."""
 
     STEP = "step"
     BACKGROUND = "background"
@@ -23,7 +23,7 @@ class Slot:
     """Row `index` of every virtual tensor (the reqid of the request it holds).
 
     `pages[k][b]` is the physical page behind page k of virtual tensor b; pages always
-    form a prefix of the slot, so its first `len(pages)` page steps are mapped.
+    form a prefix of the slot, so its first `len(pages)` page groups are mapped.
     """
 
     index: int
@@ -32,8 +32,8 @@ class Slot:
     """Tokens the last step() guaranteed; views of the slot stop here."""
     pages: list[list[int]] = field(default_factory=list)
     origins: list[Origin] = field(default_factory=list)
-    shared_steps: int = 0
-    """Leading page steps that other slots or the prefix cache may also map: this request
+    shared_groups: int = 0
+    """Leading page groups that other slots or the prefix cache may also map: this request
     never writes them again (its length cannot go back below them)."""
     digests: list[bytes] = field(default_factory=list)
     """Prefix-cache keys of this request's first units (vattn.prefix_cache), in order."""

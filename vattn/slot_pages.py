@@ -1,4 +1,4 @@
-"""The pages behind each slot: page steps mapped, unmapped and shared, one batched backend
+"""The pages behind each slot: page groups mapped, unmapped and shared, one batched backend
 call each and all or nothing. The pool keeps the pages' references (vattn.page_pool); which
 pages to move, and when, is the page policy's (vattn.page_policy)."""
 
@@ -18,7 +18,7 @@ from vattn.stats import MappingCounters
 
 
 class SlotPages:
-    """Page steps behind slots (step k of a slot: its k-th page in every virtual tensor).
+    """Page groups behind slots (group k of a slot: its k-th page in every virtual tensor).
     The caller holds the cache's lock."""
 
     def __init__(
@@ -42,21 +42,21 @@ class SlotPages:
     def drop_shared(self, slot: Slot) -> None:
         """Before a free slot takes a new request: unmaps its pages from the first one that
         anything else maps (the prefix cache, a fork) on, so the request writes only its own."""
-        shared = next((k for k, step in enumerate(slot.pages) if self.pool.refs(step[0]) > 1), None)
+        shared = next((k for k, group in enumerate(slot.pages) if self.pool.refs(group[0]) > 1), None)
         if shared is not None:
             self.unmap_tail([(slot, len(slot.pages) - shared)])
 
-    def map_shared(self, slot: Slot, steps: list[list[int]]) -> None:
-        """Maps already referenced page steps as the slot's first ones, in place of any own
+    def map_shared(self, slot: Slot, groups: list[list[int]]) -> None:
+        """Maps already referenced page groups as the slot's first ones, in place of any own
         pages it has there (one more reference each)."""
-        if not steps:
+        if not groups:
             return
-        count = len(steps)
+        count = len(groups)
         replaced = min(count, len(slot.pages))
         if replaced:
             self.backend.unmap(self.addrs(slot, 0, replaced))
-            self.pool.give_back(page for step in slot.pages[:replaced] for page in step)
-        pages = [page for step in steps for page in step]
+            self.pool.give_back(page for group in slot.pages[:replaced] for page in group)
+        pages = [page for group in groups for page in group]
         self.pool.share(pages)
         addrs = self.addrs(slot, 0, count)
         try:
@@ -64,28 +64,28 @@ class SlotPages:
         except BaseException:  # the slot's pages must stay a prefix: its own ones after the gap go too
             if rest := len(slot.pages) - replaced:
                 self.backend.unmap(self.addrs(slot, replaced, rest))
-                self.pool.give_back(page for step in slot.pages[replaced:] for page in step)
+                self.pool.give_back(page for group in slot.pages[replaced:] for page in group)
             slot.pages.clear()
             slot.origins.clear()
             raise
-        slot.pages[:replaced] = [list(step) for step in steps[:replaced]]
-        slot.pages += [list(step) for step in steps[replaced:]]
+        slot.pages[:replaced] = [list(group) for group in groups[:replaced]]
+        slot.pages += [list(group) for group in groups[replaced:]]
         slot.origins[:replaced] = [Origin.SHARED] * replaced
         slot.origins += [Origin.SHARED] * (count - replaced)
 
     def addrs(self, slot: Slot, first: int, count: int) -> list[int]:
-        """Addresses of page steps first..first+count of a slot, page by page, tensor by tensor."""
+        """Addresses of page groups first..first+count of a slot, page by page, tensor by tensor."""
         offsets = [self.config.page_offset(slot.index, k) for k in range(first, first + count)]
         return [base + offset for offset in offsets for base in self.bases]
 
-    def map(self, plan: list[tuple[Slot, int]], origin: Origin) -> list[int]:
-        """Maps `count` more page steps behind each slot in one batch; returns the addresses."""
+    def map(self, growth: list[tuple[Slot, int]], origin: Origin) -> list[int]:
+        """Maps `count` more page groups behind each slot in one batch; returns the addresses."""
         width = self.config.num_buffers
-        addrs = [a for slot, count in plan for a in self.addrs(slot, len(slot.pages), count)]
+        addrs = [a for slot, count in growth for a in self.addrs(slot, len(slot.pages), count)]
         pages = self.pool.take(len(addrs))
         self.map_pages(addrs, pages)
         taken = iter(pages)
-        for slot, count in plan:
+        for slot, count in growth:
             for _ in range(count):
                 slot.pages.append([next(taken) for _ in range(width)])
                 slot.origins.append(origin)
@@ -111,17 +111,17 @@ class SlotPages:
             raise
         self.counters.map.add(len(pages), time.perf_counter() - started)
 
-    def unmap_tail(self, plan: list[tuple[Slot, int]]) -> None:
-        """Unmaps the last `count` page steps of each slot in one batch; pages go back to the pool."""
+    def unmap_tail(self, tails: list[tuple[Slot, int]]) -> None:
+        """Unmaps the last `count` page groups of each slot in one batch; pages go back to the pool."""
         addrs, pages = [], []
-        for slot, count in plan:
+        for slot, count in tails:
             first = len(slot.pages) - count
             addrs += self.addrs(slot, first, count)
-            pages += [page for step in slot.pages[first:] for page in step]
+            pages += [page for group in slot.pages[first:] for page in group]
         started = time.perf_counter()
         self.backend.unmap(addrs)
         self.counters.unmap.add(len(pages), time.perf_counter() - started)
-        for slot, count in plan:
+        for slot, count in tails:
             del slot.pages[len(slot.pages) - count :]
             del slot.origins[len(slot.origins) - count :]
         self.pool.give_back(pages)
@@ -131,11 +131,11 @@ class SlotPages:
         started = time.perf_counter()
         return self.backend.populate(addrs), time.perf_counter() - started
 
-    def copy_tail(self, source: Slot, target: Slot, step: int, nbytes: int) -> None:
-        """Copies the first `nbytes` of page step `step` of `source` into `target`'s (both mapped)."""
+    def copy_tail(self, source: Slot, target: Slot, group: int, nbytes: int) -> None:
+        """Copies the first `nbytes` of page group `group` of `source` into `target`'s (both mapped)."""
         cfg = self.config
         for base in self.bases:
-            src, dst = (base + cfg.page_offset(s.index, step) for s in (source, target))
+            src, dst = (base + cfg.page_offset(s.index, group) for s in (source, target))
             self.backend.tensor(dst, nbytes, mapped=True).copy_(self.backend.tensor(src, nbytes, mapped=True))
 
     def check_invariants(self, slots: Sequence[Slot], prefix: PrefixCache) -> None:
@@ -143,11 +143,11 @@ class SlotPages:
         reference count is the slots and prefix-cache entries that hold it, every page is free
         or referenced, a slot maps a page once, covers its length and writes only pages of its own."""
         cfg, pool = self.config, self.pool
-        references: Counter[int] = Counter(page for slot in slots for step in slot.pages for page in step)
+        references: Counter[int] = Counter(page for slot in slots for group in slot.pages for page in group)
         # Two entries may hold one page: a child forked inside a unit of several pages shares
         # the parent's whole pages before the fork point, and its unit, keyed by other tokens
         # after it, is cached beside the parent's. Those pages hold the same KV for both.
-        references.update(page for unit in prefix.units() for step in unit.pages for page in step)
+        references.update(page for unit in prefix.units() for group in unit.pages for page in group)
         problems = [
             *(f"page {p} has {pool.refs(p)} references, not {n}" for p, n in references.items() if pool.refs(p) != n),
             *(
@@ -157,17 +157,17 @@ class SlotPages:
             ),
         ]
         for slot in slots:
-            pages = [page for step in slot.pages for page in step]
+            pages = [page for group in slot.pages for page in group]
             if len(pages) != len(set(pages)):
                 problems.append(f"slot {slot.index} maps a physical page twice")
-            if any(len(step) != cfg.num_buffers for step in slot.pages) or len(slot.origins) != len(slot.pages):
+            if any(len(group) != cfg.num_buffers for group in slot.pages) or len(slot.origins) != len(slot.pages):
                 problems.append(f"slot {slot.index} has a malformed page table")
             if slot.active and not (
-                cfg.pages_for(slot.length) <= len(slot.pages) and slot.shared_steps <= len(slot.pages)
+                cfg.pages_for(slot.length) <= len(slot.pages) and slot.shared_groups <= len(slot.pages)
             ):
                 problems.append(f"slot {slot.index} maps fewer pages than its length or shared prefix")
-            writable = slot.pages[slot.shared_steps :] if slot.active else []
-            if any(pool.refs(page) != 1 for step in writable for page in step):
+            writable = slot.pages[slot.shared_groups :] if slot.active else []
+            if any(pool.refs(page) != 1 for group in writable for page in group):
                 problems.append(f"slot {slot.index} may write a shared page")
         if problems:
             raise AssertionError("; ".join(problems))

@@ -35,7 +35,7 @@ class MappingCounters:
     populate: CallTotals = field(default_factory=CallTotals)
     """Pre-faulting mapped pages (host: MADV_POPULATE_WRITE)."""
     page_needs: int = 0
-    """Page steps a step() newly needed (a slot's length crossed into a page)."""
+    """Page groups a step() newly needed (a slot's length crossed into a page)."""
     needs_met_by_background: int = 0
     """... already mapped by the background thread (overlap or eager allocation)."""
     needs_met_by_reuse: int = 0
@@ -104,11 +104,11 @@ class CacheStats:
         """The figures of a cache's slots, pool and prefix cache (taken under the cache lock)."""
 
         def pages(chosen: Iterable[Slot]) -> set[int]:
-            return {page for slot in chosen for step in slot.pages for page in step}
+            return {page for slot in chosen for group in slot.pages for page in group}
 
         active = pages(s for s in slots if s.active)
         idle = pages(s for s in slots if not s.active) - active
-        cached = {page for unit in prefix.units() for step in unit.pages for page in step} - active - idle
+        cached = {page for unit in prefix.units() for group in unit.pages for page in group} - active - idle
         return cls(
             page_size=config.page_size,
             pool_pages=pool.capacity,
