@@ -14,6 +14,7 @@ from serving import LLM
 CONFIGS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"},
     "int8": {"dtype": "float32", "quantization": "int8"},
+    "w8": {"dtype": "float32", "quantization": "int8_weight_only"},
     "bf16w": {"dtype": "float32", "quantization": "bf16"},
     "bf16": {"dtype": "bfloat16"},
 }

@@ -6,7 +6,14 @@
   logits) stays in the model's dtype.
 - `int8`: weights as symmetric int8 with one scale per output channel, activations
   quantized per row as each call runs, multiplied in int8 (`vattn::int8_linear`, which
-  uses torch's `_int_mm`). A quarter of fp32's weight bytes.
+  uses torch's `_int_mm`). A quarter of fp32's weight bytes. Fast only where `_int_mm` is
+  (AVX-512 VNNI); on AVX2-only CPUs it stalls.
+- `int8_weight_only`: weights as symmetric int8 in groups of 32 inputs with one float32
+  scale each (llama.cpp's Q8_0 layout), activations left in float32
+  (`vattn::weight_int8_linear`): about 0.28x fp32's weight bytes and the float model's
+  answers (decode reads weights, so it is the bytes that count). Its kernels are SIMD
+  on AVX-512 and on AVX2, chosen from the CPU's flags as torch chooses its own
+  (`ATEN_CPU_CAPABILITY=avx2` forces the AVX2 path).
 
 benchmarks/model_speed.py measures both against fp32: speed, and how often greedy
 answers agree. fbgemm's dynamic linear (one activation scale per call) was faster still
@@ -25,7 +32,16 @@ from torch import Tensor
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
 
-QUANTIZATIONS = ("none", "bf16", "int8")
+QUANTIZATIONS = ("none", "bf16", "int8", "int8_weight_only")
+GROUP = 32
+"""Inputs per scale of `int8_weight_only` (as in a GGUF's Q8_0 blocks)."""
+
+
+def cpu_kernels() -> str:
+    """The widest SIMD path vattn's kernels take here: `avx512`, `avx2` or `scalar`, as torch's
+    own CPU capability (which `ATEN_CPU_CAPABILITY` lowers) says."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "avx512" if capability.startswith("AVX512") else "avx2" if capability == "AVX2" else "scalar"
 
 
 class Linear(Protocol):
@@ -70,6 +86,29 @@ class Int8Linear:
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
+class WeightInt8Linear:
+    """Weights quantized once to int8 in groups of GROUP inputs; activations stay float32."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, kernels: str | None = None) -> None:
+        out, inputs = weight.shape
+        if weight.device.type != "cpu" or inputs % GROUP:
+            raise UnavailableError(
+                f"int8_weight_only runs on the CPU with inputs in groups of {GROUP}; these weights are "
+                f"[{out}, {inputs}] on {weight.device}: use quantization 'none' or 'bf16'"
+            )
+        groups = weight.detach().float().reshape(out, inputs // GROUP, GROUP)
+        self.scales = (groups.abs().amax(dim=2) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.weight = (groups / self.scales[..., None]).round().to(torch.int8).reshape(out, inputs).contiguous()
+        self.bias = None if bias is None else bias.detach().float()
+        self.kernels = kernels or cpu_kernels()
+        self._linear = vattn_ops().weight_int8_linear
+
+    def __call__(self, x: Tensor) -> Tensor:
+        simd = self.kernels
+        out = self._linear(x.float(), self.weight, self.scales, self.bias, simd == "avx512", simd == "avx2")
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
 def make_linear(weight: Tensor, bias: Tensor | None, quantization: str) -> Linear:
     """A projection `x @ weight.T + bias` under `quantization` (one of QUANTIZATIONS)."""
     if quantization == "none":
@@ -78,6 +117,8 @@ def make_linear(weight: Tensor, bias: Tensor | None, quantization: str) -> Linea
         return Bf16Linear(weight, bias)
     if quantization == "int8":
         return Int8Linear(weight, bias)
+    if quantization == "int8_weight_only":
+        return WeightInt8Linear(weight, bias)
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
 
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import pytest
 import torch
 
-from serving.linear import QUANTIZATIONS, fused, make_linear
+from serving.linear import GROUP, QUANTIZATIONS, WeightInt8Linear, cpu_kernels, fused, make_linear
+from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
+
+KERNELS = {"avx512": ("scalar", "avx2", "avx512"), "avx2": ("scalar", "avx2"), "scalar": ("scalar",)}[cpu_kernels()]
+"""The weight-only kernel's SIMD paths this CPU can run (every one is compiled into every build)."""
 
 
 def _projection(out_features: int, in_features: int, bias: bool, seed: int) -> torch.nn.Linear:
@@ -16,7 +22,9 @@ def _projection(out_features: int, in_features: int, bias: bool, seed: int) -> t
     return torch.nn.Linear(in_features, out_features, bias=bias)
 
 
-@pytest.mark.parametrize(("quantization", "tolerance"), [("none", 1e-6), ("bf16", 2e-2), ("int8", 2e-2)])
+@pytest.mark.parametrize(
+    ("quantization", "tolerance"), [("none", 1e-6), ("bf16", 2e-2), ("int8", 2e-2), ("int8_weight_only", 1e-2)]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_projections_match_the_separate_ones(quantization: str, tolerance: float, bias: bool) -> None:
     parts = [_projection(n, 96, bias, seed) for seed, n in enumerate((64, 32, 32))]
@@ -46,9 +54,62 @@ def test_int8_handles_zero_rows_and_empty_batches() -> None:
 
 
 def test_unknown_quantization_is_refused() -> None:
-    with pytest.raises(ValueError, match="quantization must be one of none, bf16, int8"):
+    with pytest.raises(ValueError, match="quantization must be one of none, bf16, int8, int8_weight_only"):
         make_linear(torch.randn(4, 4), None, "int4")
-    assert QUANTIZATIONS == ("none", "bf16", "int8")
+    assert QUANTIZATIONS == ("none", "bf16", "int8", "int8_weight_only")
+
+
+def _dequantized(linear: WeightInt8Linear) -> torch.Tensor:
+    out, inputs = linear.weight.shape
+    return (linear.weight.float().reshape(out, -1, GROUP) * linear.scales[..., None]).reshape(out, inputs)
+
+
+def test_weight_only_int8_keeps_each_weight_within_half_its_groups_step() -> None:
+    weight = torch.randn(24, 4 * GROUP)
+    weight[3, :GROUP] *= 100  # an outlier group keeps its coarse step to itself
+    linear = WeightInt8Linear(weight, None)
+    step = linear.scales.repeat_interleave(GROUP, dim=1)
+    assert ((_dequantized(linear) - weight).abs() <= step / 2 + 1e-6).all()
+    assert linear.scales[3, 0] > 50 * linear.scales[3, 1]
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 17, 64, 65, 130])
+def test_weight_only_int8_computes_the_dequantized_product_on_every_path(kernels: str, rows: int) -> None:
+    """Up to 64 rows take the register kernel (AVX-512, AVX2 or scalar), more the tiled GEMM: each
+    equals x @ dequantized(W).T + b in float arithmetic."""
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(300, 6 * GROUP), torch.randn(300)
+    linear = WeightInt8Linear(weight, bias, kernels)
+    x = torch.randn(rows, 6 * GROUP)
+    expected = x.double() @ _dequantized(linear).double().T + bias.double()
+    got = linear(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 300)
+    assert torch.allclose(got.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_weight_only_int8_handles_empty_batches_and_refuses_what_it_cannot_run() -> None:
+    linear = WeightInt8Linear(torch.randn(16, GROUP), torch.ones(16))
+    assert linear(torch.zeros(0, GROUP)).shape == (0, 16)
+    assert torch.equal(linear(torch.zeros(2, GROUP)), torch.ones(2, 16))
+    with pytest.raises(UnavailableError, match="groups of 32"):
+        WeightInt8Linear(torch.randn(4, 40), None)
+
+
+def test_aten_cpu_capability_avx2_forces_the_avx2_path() -> None:
+    """As torch's own kernels: ATEN_CPU_CAPABILITY=avx2 makes the weight-only kernel take its
+    AVX2 body, whose results equal the scalar body's."""
+    if "avx2" not in KERNELS:
+        pytest.skip("this CPU has no AVX2")
+    script = (
+        "import torch; from serving.linear import WeightInt8Linear, cpu_kernels; torch.manual_seed(0);"
+        "w, x = torch.randn(64, 96), torch.randn(3, 96); forced = WeightInt8Linear(w, None);"
+        "scalar = WeightInt8Linear(w, None, 'scalar');"
+        "print(cpu_kernels(), forced.kernels, torch.allclose(forced(x), scalar(x), rtol=1e-5, atol=1e-5))"
+    )
+    env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["avx2", "avx2", "True"]
 
 
 def test_loading_the_operators_keeps_subnormal_floats() -> None:
