@@ -45,7 +45,7 @@ $(FAKE_CUDA): tests/fake_cuda/shim.c
 # No FMA contraction either, so the rotary embedding rounds exactly as transformers' does
 # (it cost nothing measurable in the attention kernel).
 # Each source compiles on its own (~15 s each against torch's headers), two at a time in setup.
-OPS_SOURCES := native/ragged_attention.cpp native/int8_linear.cpp native/weight_int8_linear.cpp native/rms_norm.cpp native/rotary.cpp
+OPS_SOURCES := native/ragged_attention.cpp native/int8_linear.cpp native/grouped_linear.cpp native/rms_norm.cpp native/rotary.cpp
 OPS_OBJECTS := $(patsubst native/%.cpp,build/ops/%.o,$(OPS_SOURCES))
 TORCH_DIR = $$($(PY) -c "import os, torch; print(os.path.dirname(torch.__file__))")
 
@@ -118,9 +118,12 @@ $(PEERS)/vllm/.installed:
 		echo "warning: no TCMalloc for vLLM"
 	touch $@
 
-# llama.cpp's llama-server from the llama-cpp-python sdist's vendored tree (Release, native CPU
-# flags, no web UI download), plus an F32 GGUF of the default model's safetensors folder.
-peer-llamacpp: $(LLAMA_DIR)/llama-server $(LLAMA_DIR)/SmolLM2-135M-Instruct.F32.gguf
+# llama.cpp's llama-server, llama-perplexity and llama-quantize from the llama-cpp-python sdist's
+# vendored tree (Release, native CPU flags, no web UI download), plus F32 and Q8_0 GGUFs of the
+# default model's safetensors folder (the Q4_1 GGUF it came from is in the model cache).
+LLAMA_TOOLS := llama-server llama-perplexity llama-quantize
+peer-llamacpp: $(addprefix $(LLAMA_DIR)/,$(LLAMA_TOOLS)) $(LLAMA_DIR)/SmolLM2-135M-Instruct.F32.gguf \
+	$(LLAMA_DIR)/SmolLM2-135M-Instruct.Q8_0.gguf
 
 $(LLAMA_DIR)/src/.unpacked:
 	rm -rf $(LLAMA_DIR)/src && mkdir -p $(LLAMA_DIR)/src
@@ -128,12 +131,18 @@ $(LLAMA_DIR)/src/.unpacked:
 	tar -xzf $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_DIR)/src --strip-components=1
 	touch $@
 
-$(LLAMA_DIR)/llama-server: | $(LLAMA_DIR)/src/.unpacked
+$(LLAMA_DIR)/build/.built: | $(LLAMA_DIR)/src/.unpacked
 	cmake -S $(LLAMA_SRC) -B $(LLAMA_DIR)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
 		-DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 		-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
-	cmake --build $(LLAMA_DIR)/build --target llama-server -j 2
-	cp $(LLAMA_DIR)/build/bin/llama-server $@
+	cmake --build $(LLAMA_DIR)/build --target $(LLAMA_TOOLS) -j 2
+	touch $@
+
+$(addprefix $(LLAMA_DIR)/,$(LLAMA_TOOLS)): $(LLAMA_DIR)/build/.built
+	cp $(LLAMA_DIR)/build/bin/$(@F) $@
+
+$(LLAMA_DIR)/SmolLM2-135M-Instruct.Q8_0.gguf: $(LLAMA_DIR)/SmolLM2-135M-Instruct.F32.gguf $(LLAMA_DIR)/llama-quantize
+	$(LLAMA_DIR)/llama-quantize $< $@.partial Q8_0 && mv $@.partial $@
 
 # The folder's tokenizer_config names transformers 5's tokenizer class, hence transformers 5 here.
 $(LLAMA_DIR)/SmolLM2-135M-Instruct.F32.gguf: | $(LLAMA_DIR)/src/.unpacked model

@@ -10,19 +10,22 @@
   (AVX-512 VNNI); on AVX2-only CPUs it stalls.
 - `int8_weight_only`: weights as symmetric int8 in groups of 32 inputs with one float32
   scale each (llama.cpp's Q8_0 layout), activations left in float32
-  (`vattn::weight_int8_linear`): about 0.28x fp32's weight bytes and the float model's
-  answers (decode reads weights, so it is the bytes that count). Its kernels are SIMD
-  on AVX-512 and on AVX2, chosen from the CPU's flags as torch chooses its own
-  (`ATEN_CPU_CAPABILITY=avx2` forces the AVX2 path).
+  (`vattn::grouped_linear`, which also runs a GGUF's Q8_0, Q4_0 and Q4_1 weights as
+  stored): about 0.28x fp32's weight bytes and the float model's answers (decode reads
+  weights, so it is the bytes that count). Its kernels are SIMD on AVX-512 and on AVX2,
+  chosen from the CPU's flags as torch chooses its own (`ATEN_CPU_CAPABILITY=avx2`
+  forces the AVX2 path).
 
-benchmarks/model_speed.py measures both against fp32: speed, and how often greedy
-answers agree. fbgemm's dynamic linear (one activation scale per call) was faster still
-but lost too much: the default model's perplexity on ordinary text went from 30.8 to 96
-(53 without its reduced range), against 32.5 with per-row scales and 30.85 in bf16.
+benchmarks/model_speed.py measures them against fp32: speed, and how often greedy
+answers agree; benchmarks/quality.py their perplexity and next-token agreement. fbgemm's
+dynamic linear (one activation scale per call) was faster still but lost too much: the
+default model's perplexity on ordinary text went from 30.8 to 96 (53 without its reduced
+range), against 32.5 with per-row scales and 30.85 in bf16.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -86,26 +89,76 @@ class Int8Linear:
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-class WeightInt8Linear:
-    """Weights quantized once to int8 in groups of GROUP inputs; activations stay float32."""
+@dataclass(frozen=True)
+class GroupedWeight:
+    """A weight `[out, in]` quantized in groups of GROUP inputs along each output row:
+    bits 8 (int8 q, w = scale * q: llama.cpp's Q8_0) or bits 4 (two inputs a byte, w = scale *
+    q + min: Q4_1, and Q4_0 with min = -8 * scale; byte j of a group holds input j in its low
+    nibble and input j + 16 in its high one)."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, kernels: str | None = None) -> None:
+    bits: int
+    data: Tensor
+    """uint8 `[out, groups * (32 if bits == 8 else 16)]`."""
+    scales: Tensor
+    """float32 `[out, groups]`."""
+    mins: Tensor | None = None
+    """float32 `[out, groups]`, 4-bit only."""
+
+    @classmethod
+    def quantize_int8(cls, weight: Tensor) -> GroupedWeight:
+        """Symmetric int8, one scale per group: the group's largest magnitude maps to 127."""
+        out, inputs = weight.shape
+        groups = weight.detach().float().reshape(out, inputs // GROUP, GROUP)
+        scales = (groups.abs().amax(dim=2) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        q = (groups / scales[..., None]).round().to(torch.int8).reshape(out, inputs)
+        return cls(8, q.view(torch.uint8).contiguous(), scales.contiguous())
+
+    @staticmethod
+    def concat(parts: list[GroupedWeight]) -> GroupedWeight:
+        """The weights of several projections stacked along the outputs (one fused projection)."""
+        if len({(p.bits, p.scales.shape[1]) for p in parts}) != 1:
+            raise ValueError("only weights of one format and input width can be fused")
+        mins = [p.mins for p in parts]
+        return GroupedWeight(
+            parts[0].bits,
+            torch.cat([p.data for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            None if mins[0] is None else torch.cat(mins),  # type: ignore[arg-type]
+        )
+
+    def dequantize(self) -> Tensor:
+        out, groups = self.scales.shape
+        if self.bits == 8:
+            q = self.data.view(torch.int8).float().reshape(out, groups, GROUP)
+        else:
+            nibbles = self.data.reshape(out, groups, 16)
+            q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2).float()
+        w = q * self.scales[..., None] + (0 if self.mins is None else self.mins[..., None])
+        return w.reshape(out, groups * GROUP)
+
+
+class GroupedLinear:
+    """`x @ W.T + b` on a GroupedWeight (vattn::grouped_linear); activations stay float32."""
+
+    def __init__(self, weight: GroupedWeight, bias: Tensor | None, kernels: str | None = None) -> None:
+        self.weight = weight
+        self.bias = None if bias is None else bias.detach().float()
+        self.kernels = kernels or cpu_kernels()
+        self._linear = vattn_ops().grouped_linear
+
+    @classmethod
+    def quantized_int8(cls, weight: Tensor, bias: Tensor | None, kernels: str | None = None) -> GroupedLinear:
         out, inputs = weight.shape
         if weight.device.type != "cpu" or inputs % GROUP:
             raise UnavailableError(
                 f"int8_weight_only runs on the CPU with inputs in groups of {GROUP}; these weights are "
                 f"[{out}, {inputs}] on {weight.device}: use quantization 'none' or 'bf16'"
             )
-        groups = weight.detach().float().reshape(out, inputs // GROUP, GROUP)
-        self.scales = (groups.abs().amax(dim=2) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        self.weight = (groups / self.scales[..., None]).round().to(torch.int8).reshape(out, inputs).contiguous()
-        self.bias = None if bias is None else bias.detach().float()
-        self.kernels = kernels or cpu_kernels()
-        self._linear = vattn_ops().weight_int8_linear
+        return cls(GroupedWeight.quantize_int8(weight), bias, kernels)
 
     def __call__(self, x: Tensor) -> Tensor:
-        simd = self.kernels
-        out = self._linear(x.float(), self.weight, self.scales, self.bias, simd == "avx512", simd == "avx2")
+        w, simd = self.weight, self.kernels
+        out = self._linear(x.float(), w.data, w.scales, w.mins, self.bias, w.bits, simd == "avx512", simd == "avx2")
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
@@ -118,7 +171,7 @@ def make_linear(weight: Tensor, bias: Tensor | None, quantization: str) -> Linea
     if quantization == "int8":
         return Int8Linear(weight, bias)
     if quantization == "int8_weight_only":
-        return WeightInt8Linear(weight, bias)
+        return GroupedLinear.quantized_int8(weight, bias)
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
 
 

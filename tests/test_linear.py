@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from serving.linear import GROUP, QUANTIZATIONS, WeightInt8Linear, cpu_kernels, fused, make_linear
+from serving.linear import GROUP, QUANTIZATIONS, GroupedLinear, GroupedWeight, cpu_kernels, fused, make_linear
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
 
@@ -59,41 +59,55 @@ def test_unknown_quantization_is_refused() -> None:
     assert QUANTIZATIONS == ("none", "bf16", "int8", "int8_weight_only")
 
 
-def _dequantized(linear: WeightInt8Linear) -> torch.Tensor:
-    out, inputs = linear.weight.shape
-    return (linear.weight.float().reshape(out, -1, GROUP) * linear.scales[..., None]).reshape(out, inputs)
+def _four_bit(out: int, inputs: int, with_mins: bool) -> GroupedWeight:
+    """Random 4-bit weights in the GGUF layout (Q4_1 with mins, else Q4_0's min = -8 * scale)."""
+    generator = torch.Generator().manual_seed(out)
+    data = torch.randint(0, 256, (out, inputs // 2), dtype=torch.uint8, generator=generator)
+    scales = torch.rand(out, inputs // GROUP, generator=generator) / 10
+    mins = torch.randn(out, inputs // GROUP, generator=generator) / 10 if with_mins else -8 * scales
+    return GroupedWeight(4, data, scales, mins)
+
+
+def test_four_bit_weights_hold_low_nibbles_first_then_high_ones() -> None:
+    data = torch.tensor([[0x21] * 16], dtype=torch.uint8)  # low nibble 1, high nibble 2
+    weight = GroupedWeight(4, data, torch.ones(1, 1), torch.zeros(1, 1))
+    assert weight.dequantize().tolist() == [[1.0] * 16 + [2.0] * 16]
 
 
 def test_weight_only_int8_keeps_each_weight_within_half_its_groups_step() -> None:
     weight = torch.randn(24, 4 * GROUP)
     weight[3, :GROUP] *= 100  # an outlier group keeps its coarse step to itself
-    linear = WeightInt8Linear(weight, None)
-    step = linear.scales.repeat_interleave(GROUP, dim=1)
-    assert ((_dequantized(linear) - weight).abs() <= step / 2 + 1e-6).all()
-    assert linear.scales[3, 0] > 50 * linear.scales[3, 1]
+    quantized = GroupedLinear.quantized_int8(weight, None).weight
+    step = quantized.scales.repeat_interleave(GROUP, dim=1)
+    assert ((quantized.dequantize() - weight).abs() <= step / 2 + 1e-6).all()
+    assert quantized.scales[3, 0] > 50 * quantized.scales[3, 1]
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 17, 64, 65, 130])
-def test_weight_only_int8_computes_the_dequantized_product_on_every_path(kernels: str, rows: int) -> None:
+@pytest.mark.parametrize("bits", ["8", "4 with mins", "4 with -8 * scale"])
+def test_grouped_weights_compute_the_dequantized_product_on_every_path(kernels: str, rows: int, bits: str) -> None:
     """Up to 64 rows take the register kernel (AVX-512, AVX2 or scalar), more the tiled GEMM: each
     equals x @ dequantized(W).T + b in float arithmetic."""
     torch.manual_seed(rows)
-    weight, bias = torch.randn(300, 6 * GROUP), torch.randn(300)
-    linear = WeightInt8Linear(weight, bias, kernels)
+    bias = torch.randn(300)
+    if bits == "8":
+        linear = GroupedLinear.quantized_int8(torch.randn(300, 6 * GROUP), bias, kernels)
+    else:
+        linear = GroupedLinear(_four_bit(300, 6 * GROUP, with_mins=bits == "4 with mins"), bias, kernels)
     x = torch.randn(rows, 6 * GROUP)
-    expected = x.double() @ _dequantized(linear).double().T + bias.double()
+    expected = x.double() @ linear.weight.dequantize().double().T + bias.double()
     got = linear(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 300)
     assert torch.allclose(got.double(), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_weight_only_int8_handles_empty_batches_and_refuses_what_it_cannot_run() -> None:
-    linear = WeightInt8Linear(torch.randn(16, GROUP), torch.ones(16))
+    linear = GroupedLinear.quantized_int8(torch.randn(16, GROUP), torch.ones(16))
     assert linear(torch.zeros(0, GROUP)).shape == (0, 16)
     assert torch.equal(linear(torch.zeros(2, GROUP)), torch.ones(2, 16))
     with pytest.raises(UnavailableError, match="groups of 32"):
-        WeightInt8Linear(torch.randn(4, 40), None)
+        GroupedLinear.quantized_int8(torch.randn(4, 40), None)
 
 
 def test_aten_cpu_capability_avx2_forces_the_avx2_path() -> None:
@@ -102,9 +116,9 @@ def test_aten_cpu_capability_avx2_forces_the_avx2_path() -> None:
     if "avx2" not in KERNELS:
         pytest.skip("this CPU has no AVX2")
     script = (
-        "import torch; from serving.linear import WeightInt8Linear, cpu_kernels; torch.manual_seed(0);"
-        "w, x = torch.randn(64, 96), torch.randn(3, 96); forced = WeightInt8Linear(w, None);"
-        "scalar = WeightInt8Linear(w, None, 'scalar');"
+        "import torch; from serving.linear import GroupedLinear, cpu_kernels; torch.manual_seed(0);"
+        "w, x = torch.randn(64, 96), torch.randn(3, 96); forced = GroupedLinear.quantized_int8(w, None);"
+        "scalar = GroupedLinear.quantized_int8(w, None, 'scalar');"
         "print(cpu_kernels(), forced.kernels, torch.allclose(forced(x), scalar(x), rtol=1e-5, atol=1e-5))"
     )
     env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2"}
