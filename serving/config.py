@@ -47,8 +47,9 @@ class EngineConfig:
     """Attention kernel: virtual cache, vattn.kernels.KERNELS (`auto`: `ragged` on the host,
     `sdpa` on CUDA); paged cache, vattn.paged.PAGED_KERNELS (`auto`: `paged` on the host,
     `paged_flashinfer` on CUDA)."""
-    quantization: str = "none"
-    """Weights: `none` (as `dtype`) or `int8` (serving.linear)."""
+    quantization: str = "auto"
+    """Weights (serving.linear): `none` (as `dtype`), `bf16`, `int8`, `int8_weight_only`, or
+    `gguf` (a GGUF file's quantized weights as stored); `auto`: `gguf` for a GGUF file, else `none`."""
     seed: int = 0
     """Random stream of requests that give no seed of their own."""
 
@@ -73,8 +74,17 @@ class EngineConfig:
                 f"kernel {self.kernel!r} does not run on the {self.kv_cache} KV cache; "
                 f"choose auto or one of {', '.join(kernels)}"
             )
+        is_gguf = str(self.model or "").endswith(".gguf")
+        if self.quantization == "auto":
+            object.__setattr__(self, "quantization", "gguf" if is_gguf else "none")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+            choices = ", ".join(("auto", *QUANTIZATIONS))
+            raise ValueError(f"quantization must be one of {choices}, got {self.quantization!r}")
+        if self.quantization == "gguf" and not is_gguf:
+            raise ValueError(
+                f"quantization 'gguf' keeps a GGUF file's weights, but the model is {self.model or 'the default'} "
+                "folder: pass a .gguf file as the model, or choose another quantization"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

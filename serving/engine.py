@@ -63,7 +63,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        model, self.tokenizer = load_model(config.model or ensure_default_model(), config.torch_dtype)
+        path = config.model or ensure_default_model()
+        model, self.tokenizer = load_model(path, config.torch_dtype, gguf_weights=config.quantization == "gguf")
         shape = model_shape(model)
         self.max_context = min(config.max_context, shape.max_position)
         self.vocab_size = shape.vocab_size

@@ -15,6 +15,8 @@
   weights, so it is the bytes that count). Its kernels are SIMD on AVX-512 and on AVX2,
   chosen from the CPU's flags as torch chooses its own (`ATEN_CPU_CAPABILITY=avx2`
   forces the AVX2 path).
+- `gguf`: a GGUF file's Q8_0, Q4_0 and Q4_1 projections as the file stores them (see
+  serving.gguf_weights), on the same kernels; projections of other types run dequantized.
 
 benchmarks/model_speed.py measures them against fp32: speed, and how often greedy
 answers agree; benchmarks/quality.py their perplexity and next-token agreement. fbgemm's
@@ -35,7 +37,7 @@ from torch import Tensor
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
 
-QUANTIZATIONS = ("none", "bf16", "int8", "int8_weight_only")
+QUANTIZATIONS = ("none", "bf16", "int8", "int8_weight_only", "gguf")
 GROUP = 32
 """Inputs per scale of `int8_weight_only` (as in a GGUF's Q8_0 blocks)."""
 
@@ -178,7 +180,9 @@ def make_linear(weight: Tensor, bias: Tensor | None, quantization: str) -> Linea
 def fused(linears: list[torch.nn.Linear], quantization: str) -> Linear:
     """One projection computing several that read the same input (q, k, v; gate, up), outputs
     concatenated in order: one matrix multiply instead of several smaller ones. A single
-    projection keeps its own weight (no copy: a tied LM head stays the embedding's)."""
+    projection keeps its own weight (no copy: a tied LM head stays the embedding's). Under
+    `gguf`, projections that carry the file's `grouped_weight` (serving.gguf_weights) use it."""
+    stored = [getattr(linear, "grouped_weight", None) for linear in linears]
     weights = [linear.weight.detach() for linear in linears]
     weight = weights[0] if len(weights) == 1 else torch.cat(weights)
     biases = [linear.bias for linear in linears]
@@ -191,4 +195,8 @@ def fused(linears: list[torch.nn.Linear], quantization: str) -> Linear:
                 for b, linear in zip(biases, linears, strict=True)
             ]
         )
+    if quantization == "gguf":
+        if all(stored) and len({w.bits for w in stored}) == 1:  # type: ignore[union-attr]
+            return GroupedLinear(GroupedWeight.concat(stored), bias)  # type: ignore[arg-type]
+        quantization = "none"  # a tensor the file holds in another type: its dequantized weights
     return make_linear(weight, bias, quantization)

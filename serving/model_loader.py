@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from serving.gguf_weights import attach_gguf_weights
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
@@ -21,8 +23,9 @@ class ModelShape:
     max_position: int
 
 
-def load_model(path: str | Path, dtype: torch.dtype) -> tuple[Any, Any]:
-    """A causal LM and its tokenizer from a safetensors folder or a GGUF file."""
+def load_model(path: str | Path, dtype: torch.dtype, gguf_weights: bool = False) -> tuple[Any, Any]:
+    """A causal LM and its tokenizer from a safetensors folder or a GGUF file; with
+    `gguf_weights`, its projections also carry the file's quantized weights as stored."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, gguf_file = Path(path), None
@@ -36,6 +39,8 @@ def load_model(path: str | Path, dtype: torch.dtype) -> tuple[Any, Any]:
             f"model type {model.config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    if gguf_weights and gguf_file is not None:
+        attach_gguf_weights(model, folder / gguf_file)
     return model.eval(), tokenizer
 
 

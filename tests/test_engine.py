@@ -123,7 +123,7 @@ def test_the_paged_cache_gives_the_same_greedy_tokens(llm: LLM, hf_greedy: list[
 
 def test_loads_the_gguf_file_and_bfloat16(hf_greedy: list[list[int]]) -> None:
     small = {"max_slots": 2, "max_context": 128, "kv_budget": 16 << 20}
-    from_gguf = LLM(model=str(default_gguf()), **small)  # dequantized on load: the same fp32 weights
+    from_gguf = LLM(model=str(default_gguf()), quantization="none", **small)  # dequantized: fp32 weights
     try:
         (out,) = from_gguf.generate(PROMPTS[0], GREEDY, use_tqdm=False)
         assert out.token_ids == hf_greedy[0]

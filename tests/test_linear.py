@@ -56,7 +56,7 @@ def test_int8_handles_zero_rows_and_empty_batches() -> None:
 def test_unknown_quantization_is_refused() -> None:
     with pytest.raises(ValueError, match="quantization must be one of none, bf16, int8, int8_weight_only"):
         make_linear(torch.randn(4, 4), None, "int4")
-    assert QUANTIZATIONS == ("none", "bf16", "int8", "int8_weight_only")
+    assert QUANTIZATIONS == ("none", "bf16", "int8", "int8_weight_only", "gguf")
 
 
 def _four_bit(out: int, inputs: int, with_mins: bool) -> GroupedWeight:

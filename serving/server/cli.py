@@ -126,9 +126,11 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--quantization",
-        default=defaults.quantization,
-        choices=list(QUANTIZATIONS),
-        help="weights: none (as --dtype), bf16, or int8",
+        default="auto",
+        choices=["auto", *QUANTIZATIONS],
+        help="weights: none (as --dtype), bf16, int8 (weights and activations), int8_weight_only (weights in "
+        "groups of 32, float activations: the float model's answers), gguf (a GGUF file's own quantized "
+        "weights); auto: gguf for a .gguf model, else none",
     )
     serve.add_argument("--max-queue", type=int, default=server.max_queue, help="requests that may wait; more get 429")
     serve.add_argument(

@@ -1,0 +1,100 @@
+"""A GGUF file's projections as it stores them: Q8_0, Q4_0 and Q4_1 blocks become GroupedWeights.
+
+transformers loads a GGUF by dequantizing every tensor into the model's dtype; serving that
+model computes with weights the file never held (requantizing them would round twice). This
+module reads the file's own blocks (the `gguf` package's reader, a memory map) and gives each
+projection its `GroupedWeight`, which vattn::grouped_linear runs as stored: the answers are the
+ones the GGUF defines, and the projections take the file's bytes, not fp32's.
+
+llama.cpp's converter permutes the rows of Llama's (and Mistral's) q and k projections for its
+rotary layout; rows are outputs and blocks run along inputs, so undoing the permutation moves
+whole rows, exactly. Each weight is checked against transformers' dequantized one before use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from serving.linear import GroupedWeight
+
+BLOCK_BYTES = {"Q8_0": 2 + 32, "Q4_0": 2 + 16, "Q4_1": 2 + 2 + 16}
+"""Bytes of one block of 32 weights: a float16 scale (and min, Q4_1) before the quants."""
+
+PERMUTED_ARCHITECTURES = ("llama", "mistral")
+"""Whose q and k rows llama.cpp's converter permutes (Qwen2's it leaves alone)."""
+
+
+def attach_gguf_weights(model: Any, path: Path) -> int:
+    """Sets `grouped_weight` on every projection of `model` (loaded from the GGUF at `path`)
+    whose tensor the file holds in a supported quantized type, and returns how many; the
+    others keep their dequantized weights."""
+    from gguf import GGUFReader
+
+    tensors = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
+    config = model.config
+    permute = config.model_type in PERMUTED_ARCHITECTURES
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    attached = 0
+    for name, module, rows_of_heads in projections(model, "output.weight" in tensors, heads, kv_heads):
+        tensor = tensors.get(name)
+        if tensor is None or tensor.tensor_type.name not in BLOCK_BYTES:
+            continue
+        weight = grouped(tensor.tensor_type.name, np.asarray(tensor.data))
+        if permute and rows_of_heads:
+            weight = reorder_rows(weight, unpermute_order(weight.scales.shape[0], rows_of_heads))
+        expected = module.weight.detach().float()
+        if weight.scales.shape[0] != expected.shape[0] or not torch.allclose(
+            weight.dequantize(), expected, rtol=1e-3, atol=1e-5
+        ):
+            raise ValueError(f"{path.name}: tensor {name} does not match the model's {type(module).__name__} weights")
+        module.grouped_weight = weight
+        attached += 1
+    return attached
+
+
+def projections(model: Any, untied_output: bool, heads: int, kv_heads: int) -> list[tuple[str, Any, int]]:
+    """(GGUF tensor name, module, heads whose rows llama.cpp permuted or 0) of each projection."""
+    found = [("output.weight" if untied_output else "token_embd.weight", model.lm_head, 0)]
+    for index, layer in enumerate(model.model.layers):
+        attention, mlp, block = layer.self_attn, layer.mlp, f"blk.{index}"
+        found += [
+            (f"{block}.attn_q.weight", attention.q_proj, heads),
+            (f"{block}.attn_k.weight", attention.k_proj, kv_heads),
+            (f"{block}.attn_v.weight", attention.v_proj, 0),
+            (f"{block}.attn_output.weight", attention.o_proj, 0),
+            (f"{block}.ffn_gate.weight", mlp.gate_proj, 0),
+            (f"{block}.ffn_up.weight", mlp.up_proj, 0),
+            (f"{block}.ffn_down.weight", mlp.down_proj, 0),
+        ]
+    return found
+
+
+def grouped(kind: str, raw: np.ndarray) -> GroupedWeight:
+    """A GroupedWeight from a GGUF tensor's bytes `[out, blocks * BLOCK_BYTES[kind]]`."""
+    out = raw.shape[0]
+    blocks = torch.from_numpy(np.array(raw)).reshape(out, -1, BLOCK_BYTES[kind])  # a copy: the map is read-only
+    scales = blocks[..., :2].contiguous().view(torch.float16).squeeze(-1).float()
+    if kind == "Q8_0":
+        return GroupedWeight(8, blocks[..., 2:].reshape(out, -1).contiguous(), scales.contiguous())
+    if kind == "Q4_0":
+        return GroupedWeight(4, blocks[..., 2:].reshape(out, -1).contiguous(), scales.contiguous(), -8 * scales)
+    mins = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+    return GroupedWeight(4, blocks[..., 4:].reshape(out, -1).contiguous(), scales.contiguous(), mins.contiguous())
+
+
+def unpermute_order(rows: int, heads: int) -> torch.Tensor:
+    """Row `i` of the model's weight is row `order[i]` of the file's: llama.cpp stores each
+    head's rows as (pair, half) where the model has (half, pair)."""
+    half = rows // heads // 2
+    file_rows = torch.arange(rows).reshape(heads, half, 2).transpose(1, 2)  # the file's row at (head, half, pair)
+    return file_rows.reshape(rows)
+
+
+def reorder_rows(weight: GroupedWeight, order: torch.Tensor) -> GroupedWeight:
+    mins = None if weight.mins is None else weight.mins[order].contiguous()
+    return GroupedWeight(weight.bits, weight.data[order].contiguous(), weight.scales[order].contiguous(), mins)
