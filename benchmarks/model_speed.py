@@ -31,7 +31,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from measure.results import RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
-from measure.workloads import CONFIGS, long_prompt, random_token_prompts
+from measure.workloads import CONFIGS, engine_options, long_prompt, random_token_prompts
 from serving import LLM, SamplingParams
 from serving.default_model import ensure_default_model
 from vattn.sizes import KiB
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_context=max(args.prompt_tokens + args.new_tokens, 2 * args.context),
             page_size=256 * KiB,  # several engines share the process's map-count budget
             prefix_caching=False,  # repeated prompts measure compute, not the cache
-            **CONFIGS[name],
+            **engine_options(name),
         )
         for name in configs
     }

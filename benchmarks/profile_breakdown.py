@@ -28,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from measure.results import RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
-from measure.workloads import CONFIGS, long_prompt, random_token_prompts
+from measure.workloads import CONFIGS, engine_options, long_prompt, random_token_prompts
 from serving import LLM, SamplingParams
 from serving.default_model import ensure_default_model
 
@@ -48,7 +48,7 @@ def top_operators(call: Callable[[], object], top: int) -> tuple[float, list[dic
 
 
 def decode_rows(config: str, batch: int, context: int, steps: int, top: int) -> list[dict[str, Any]]:
-    llm = LLM(max_slots=batch, max_context=context + 3 * steps + 8, prefix_caching=False, **CONFIGS[config])
+    llm = LLM(max_slots=batch, max_context=context + 3 * steps + 8, prefix_caching=False, **engine_options(config))
     engine = llm.engine
     params = SamplingParams(max_tokens=3 * steps + 4, temperature=0, ignore_eos=True)
     for prompt in random_token_prompts(batch, context, context, llm.tokenizer.vocab_size, seed=1):

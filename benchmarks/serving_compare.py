@@ -11,7 +11,7 @@ per process). Peers live in their own venvs under .peers/ (`make peers`); one th
 is skipped, and the reason printed and recorded; each command line and version goes in the JSON.
 
     python -m benchmarks.serving_compare [--concurrency 1,16,48] [--requests 48] [--quick]
-        [--vattn "fp32=" --vattn "int8=--quantization int8"] [--systems vattn-fp32,vllm,llamacpp-f32]
+        [--vattn "fp32=" --vattn "w8=--quantization int8_weight_only"] [--systems vattn-fp32,vllm,llamacpp-f32]
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ import matplotlib.pyplot as plt
 
 PEERS = REPO_ROOT / ".peers"
 PAGE = os.sysconf("SC_PAGE_SIZE")
-PEER_NAMES = ("vllm", "llamacpp-f32", "llamacpp-q4_1", "hf-serve")
+PEER_NAMES = ("vllm", "llamacpp-f32", "llamacpp-q8_0", "llamacpp-q4_1", "hf-serve")
 
 
 @dataclass
@@ -380,6 +380,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[Sys
     parser.add_argument("--model-dir", type=Path, default=default_model_dir(), help="the safetensors folder")
     parser.add_argument("--q4-gguf", type=Path, default=cache_dir() / "downloads" / f"{DEFAULT_MODEL}.Q4_1.gguf")
     parser.add_argument("--f32-gguf", type=Path, default=PEERS / "llamacpp" / f"{DEFAULT_MODEL}.F32.gguf")
+    parser.add_argument("--q8-gguf", type=Path, default=PEERS / "llamacpp" / f"{DEFAULT_MODEL}.Q8_0.gguf")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", help="results file stem; default serving_compare (serving_compare_quick)")
     args = parser.parse_args(argv)
@@ -392,6 +393,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[Sys
     systems += [
         vllm_system(args.model_dir),
         llamacpp_system("llamacpp-f32", args.f32_gguf),
+        llamacpp_system("llamacpp-q8_0", args.q8_gguf),
         llamacpp_system("llamacpp-q4_1", args.q4_gguf),
         hf_system(args.model_dir, args.output_tokens),
     ]

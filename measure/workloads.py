@@ -10,14 +10,27 @@ import torch
 
 from measure.results import REPO_ROOT
 from serving import LLM
+from serving.default_model import default_gguf
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"},
     "int8": {"dtype": "float32", "quantization": "int8"},
     "w8": {"dtype": "float32", "quantization": "int8_weight_only"},
+    "gguf": {"dtype": "float32", "quantization": "gguf"},
     "bf16w": {"dtype": "float32", "quantization": "bf16"},
     "bf16": {"dtype": "bfloat16"},
 }
+
+
+def engine_options(name: str) -> dict[str, Any]:
+    """`LLM` keyword arguments of configuration `name`: `gguf` serves the default model's GGUF
+    file (Q4_1 layers, a Q8_0 head) as stored, the others its safetensors folder."""
+    options = dict(CONFIGS[name])
+    if options.get("quantization") == "gguf":
+        options["model"] = str(default_gguf())
+    return options
+
+
 WORDS = [
     "the",
     "of",

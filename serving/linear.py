@@ -28,6 +28,7 @@ range), against 32.5 with per-row scales and 30.85 in bf16.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -40,6 +41,20 @@ from vattn.ops import vattn_ops
 QUANTIZATIONS = ("none", "bf16", "int8", "int8_weight_only", "gguf")
 GROUP = 32
 """Inputs per scale of `int8_weight_only` (as in a GGUF's Q8_0 blocks)."""
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
+def int8_activations_fast() -> bool:
+    """Whether torch's `_int_mm` (the `int8` preset) is fast here: AVX-512 VNNI or AMX."""
+    return cpu_kernels() == "avx512" and bool(cpu_flags() & {"avx512_vnni", "amx_int8"})
 
 
 def cpu_kernels() -> str:
@@ -79,6 +94,12 @@ class Int8Linear:
             raise UnavailableError(
                 f"int8 quantization runs on the CPU (vattn::int8_linear); these weights are on {weight.device}: "
                 "use quantization 'none' or 'bf16'"
+            )
+        if not int8_activations_fast():
+            raise UnavailableError(
+                "int8 quantization needs AVX-512 VNNI (torch's _int_mm has no fast kernel on this CPU, "
+                f"capability {torch.backends.cpu.get_cpu_capability()}): use quantization 'int8_weight_only', "
+                "which is fast on AVX2 and keeps the model's answers"
             )
         w = weight.detach().float()
         self.scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)

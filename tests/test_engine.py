@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from serving import LLM, SamplingParams
 from serving.default_model import default_gguf, ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
+from serving.linear import int8_activations_fast
 from serving.request import Request
 from serving.scheduler import assign_fork_parents
 from serving.structured_output import StructuredOutput
@@ -138,7 +139,14 @@ def test_loads_the_gguf_file_and_bfloat16(hf_greedy: list[list[int]]) -> None:
         half.close()
 
 
-@pytest.mark.parametrize("quantization", ["bf16", "int8"])
+@pytest.mark.parametrize(
+    "quantization",
+    [
+        "bf16",
+        "int8_weight_only",
+        pytest.param("int8", marks=pytest.mark.skipif(not int8_activations_fast(), reason="needs AVX-512 VNNI")),
+    ],
+)
 def test_quantized_weights_still_answer(quantization: str) -> None:
     """Weights in bf16 or int8 (serving.linear): the answer survives; model_speed measures how close."""
     small = LLM(quantization=quantization, max_slots=2, max_context=128, kv_budget=16 << 20)

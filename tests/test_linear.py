@@ -9,12 +9,22 @@ import sys
 import pytest
 import torch
 
-from serving.linear import GROUP, QUANTIZATIONS, GroupedLinear, GroupedWeight, cpu_kernels, fused, make_linear
+from serving.linear import (
+    GROUP,
+    QUANTIZATIONS,
+    GroupedLinear,
+    GroupedWeight,
+    cpu_kernels,
+    fused,
+    int8_activations_fast,
+    make_linear,
+)
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
 
 KERNELS = {"avx512": ("scalar", "avx2", "avx512"), "avx2": ("scalar", "avx2"), "scalar": ("scalar",)}[cpu_kernels()]
 """The weight-only kernel's SIMD paths this CPU can run (every one is compiled into every build)."""
+NEEDS_VNNI = pytest.mark.skipif(not int8_activations_fast(), reason="the int8 preset needs AVX-512 VNNI")
 
 
 def _projection(out_features: int, in_features: int, bias: bool, seed: int) -> torch.nn.Linear:
@@ -23,7 +33,8 @@ def _projection(out_features: int, in_features: int, bias: bool, seed: int) -> t
 
 
 @pytest.mark.parametrize(
-    ("quantization", "tolerance"), [("none", 1e-6), ("bf16", 2e-2), ("int8", 2e-2), ("int8_weight_only", 1e-2)]
+    ("quantization", "tolerance"),
+    [("none", 1e-6), ("bf16", 2e-2), pytest.param("int8", 2e-2, marks=NEEDS_VNNI), ("int8_weight_only", 1e-2)],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_projections_match_the_separate_ones(quantization: str, tolerance: float, bias: bool) -> None:
@@ -36,6 +47,7 @@ def test_fused_projections_match_the_separate_ones(quantization: str, tolerance:
     assert error < tolerance, f"{quantization}: relative error {error:.2e}"
 
 
+@NEEDS_VNNI
 def test_int8_scales_each_row_on_its_own() -> None:
     """An outlier token keeps its error to itself (one scale per row, not per call)."""
     linear = make_linear(torch.randn(48, 64), None, "int8")
@@ -47,6 +59,7 @@ def test_int8_scales_each_row_on_its_own() -> None:
     assert quiet_error < 2e-2
 
 
+@NEEDS_VNNI
 def test_int8_handles_zero_rows_and_empty_batches() -> None:
     linear = make_linear(torch.randn(16, 32), torch.ones(16), "int8")
     assert torch.equal(linear(torch.zeros(2, 32)), torch.ones(2, 16))
@@ -124,6 +137,18 @@ def test_aten_cpu_capability_avx2_forces_the_avx2_path() -> None:
     env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2"}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["avx2", "avx2", "True"]
+
+
+def test_int8_activations_are_refused_where_int_mm_would_stall() -> None:
+    """Without AVX-512 VNNI (here: forced to AVX2) torch's _int_mm is ~20x slower than fp32: the
+    int8 preset is refused at once, naming the one that is fast there."""
+    script = (
+        "import torch; from serving.linear import make_linear\n"
+        "try:\n    make_linear(torch.randn(64, 96), None, 'int8')\nexcept Exception as exc:\n    print(exc)"
+    )
+    env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert "needs AVX-512 VNNI" in result.stdout and "int8_weight_only" in result.stdout
 
 
 def test_loading_the_operators_keeps_subnormal_floats() -> None:
