@@ -11,7 +11,8 @@
 // flags or ATEN_CPU_CAPABILITY, by the caller; one the CPU lacks is refused): a machine
 // without AVX-512 never runs an instruction it lacks. Many rows (prefill) are compute-bound
 // instead: balanced tiles of weights are widened into a per-thread buffer and multiplied by
-// torch's float GEMM.
+// torch's GEMM, in float32, or with `bf16_many_rows` in bfloat16 (float accumulation, outputs
+// rounded to bfloat16: about 4x float32's speed where the CPU has AVX512_BF16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -176,12 +177,13 @@ void few_rows(const Problem& p, Isa isa) {
 }
 
 template <class Format>
-void many_rows(const Problem& p, const at::Tensor& x_rows) {
+void many_rows(const Problem& p, const at::Tensor& x_rows, bool bf16) {
   // As many tiles for every thread, each a multiple of 16 outputs and at most kTile.
   const int64_t threads = at::get_num_threads();
   const int64_t balanced = threads * ((p.out + threads * kTile - 1) / (threads * kTile));
   const int64_t tile = ((p.out + balanced - 1) / balanced + 15) / 16 * 16;
   const int64_t tiles = (p.out + tile - 1) / tile;
+  const at::Tensor x_gemm = bf16 ? x_rows.to(at::kBFloat16) : x_rows;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     at::Tensor wide = at::empty({tile, p.in}, x_rows.options());
     float* dst = wide.mutable_data_ptr<float>();
@@ -190,7 +192,9 @@ void many_rows(const Problem& p, const at::Tensor& x_rows) {
       for (int64_t n = 0; n < count; ++n)
         for (int64_t g = 0; g < p.groups(); ++g)
           for (int64_t k = 0; k < kGroup; ++k) dst[n * p.in + g * kGroup + k] = weight_at<Format>(p, first + n, g, k);
-      const at::Tensor part = at::mm(x_rows, wide.narrow(0, 0, count).t());  // [m, count], one thread
+      const at::Tensor tile_weights = wide.narrow(0, 0, count);
+      const at::Tensor part = bf16 ? at::mm(x_gemm, tile_weights.to(at::kBFloat16).t()).to(at::kFloat)
+                                   : at::mm(x_gemm, tile_weights.t());  // [m, count], one thread
       const float* src = part.const_data_ptr<float>();
       for (int64_t r = 0; r < p.m; ++r)
         for (int64_t n = 0; n < count; ++n) p.y[r * p.out + first + n] = src[r * count + n] + bias_at(p, first + n);
@@ -199,16 +203,16 @@ void many_rows(const Problem& p, const at::Tensor& x_rows) {
 }
 
 template <class Format>
-void run(const Problem& p, const at::Tensor& x_rows, Isa isa) {
+void run(const Problem& p, const at::Tensor& x_rows, Isa isa, bool bf16) {
   if (p.m > kFewRows)
-    many_rows<Format>(p, x_rows);
+    many_rows<Format>(p, x_rows, bf16);
   else if (p.m > 0)
     few_rows<Format>(p, isa);
 }
 
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                           const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits,
-                          bool avx512, bool avx2) {
+                          bool avx512, bool avx2, bool bf16_many_rows) {
   TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "x must be a float32 CPU tensor");
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
@@ -244,9 +248,9 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const a
                   out};
   const Isa isa = avx512 ? Isa::kAvx512 : avx2 ? Isa::kAvx2 : Isa::kScalar;
   if (bits == 8)
-    run<Int8>(p, rows, isa);
+    run<Int8>(p, rows, isa, bf16_many_rows);
   else
-    run<Nibbles>(p, rows, isa);
+    run<Nibbles>(p, rows, isa, bf16_many_rows);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
   return result.view(shape);
@@ -257,7 +261,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const a
 TORCH_LIBRARY_FRAGMENT(vattn, m) {
   m.def(
       "grouped_linear(Tensor x, Tensor weight, Tensor scales, Tensor? mins, Tensor? bias, int bits, bool avx512, "
-      "bool avx2) -> Tensor");
+      "bool avx2, bool bf16_many_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vattn, CPU, m) { m.impl("grouped_linear", &grouped_linear); }

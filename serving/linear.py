@@ -57,6 +57,11 @@ def int8_activations_fast() -> bool:
     return cpu_kernels() == "avx512" and bool(cpu_flags() & {"avx512_vnni", "amx_int8"})
 
 
+def bf16_available() -> bool:
+    """Whether bfloat16 GEMMs are fast here (AVX512_BF16 with torch at its AVX-512 capability)."""
+    return cpu_kernels() == "avx512" and "avx512_bf16" in cpu_flags()
+
+
 def cpu_kernels() -> str:
     """The widest SIMD path vattn's kernels take here: `avx512`, `avx2` or `scalar`, as torch's
     own CPU capability (which `ATEN_CPU_CAPABILITY` lowers) says."""
@@ -163,25 +168,34 @@ class GroupedWeight:
 class GroupedLinear:
     """`x @ W.T + b` on a GroupedWeight (vattn::grouped_linear); activations stay float32."""
 
-    def __init__(self, weight: GroupedWeight, bias: Tensor | None, kernels: str | None = None) -> None:
+    def __init__(
+        self, weight: GroupedWeight, bias: Tensor | None, kernels: str | None = None, bf16_prompts: bool | None = None
+    ) -> None:
         self.weight = weight
         self.bias = None if bias is None else bias.detach().float()
         self.kernels = kernels or cpu_kernels()
+        self.bf16_prompts = bf16_available() if bf16_prompts is None else bf16_prompts
+        """Whether calls of many rows (prompts) multiply in bfloat16: on AVX512_BF16, ~3x float32
+        at bf16's rounding (decoding rows stay float32)."""
         self._linear = vattn_ops().grouped_linear
 
     @classmethod
-    def quantized_int8(cls, weight: Tensor, bias: Tensor | None, kernels: str | None = None) -> GroupedLinear:
+    def quantized_int8(
+        cls, weight: Tensor, bias: Tensor | None, kernels: str | None = None, bf16_prompts: bool | None = None
+    ) -> GroupedLinear:
         out, inputs = weight.shape
         if weight.device.type != "cpu" or inputs % GROUP:
             raise UnavailableError(
                 f"int8_weight_only runs on the CPU with inputs in groups of {GROUP}; these weights are "
                 f"[{out}, {inputs}] on {weight.device}: use quantization 'none' or 'bf16'"
             )
-        return cls(GroupedWeight.quantize_int8(weight), bias, kernels)
+        return cls(GroupedWeight.quantize_int8(weight), bias, kernels, bf16_prompts)
 
     def __call__(self, x: Tensor) -> Tensor:
         w, simd = self.weight, self.kernels
-        out = self._linear(x.float(), w.data, w.scales, w.mins, self.bias, w.bits, simd == "avx512", simd == "avx2")
+        out = self._linear(
+            x.float(), w.data, w.scales, w.mins, self.bias, w.bits, simd == "avx512", simd == "avx2", self.bf16_prompts
+        )
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 

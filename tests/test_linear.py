@@ -14,6 +14,7 @@ from serving.linear import (
     QUANTIZATIONS,
     GroupedLinear,
     GroupedWeight,
+    bf16_available,
     cpu_kernels,
     fused,
     int8_activations_fast,
@@ -105,14 +106,27 @@ def test_grouped_weights_compute_the_dequantized_product_on_every_path(kernels: 
     torch.manual_seed(rows)
     bias = torch.randn(300)
     if bits == "8":
-        linear = GroupedLinear.quantized_int8(torch.randn(300, 6 * GROUP), bias, kernels)
+        linear = GroupedLinear.quantized_int8(torch.randn(300, 6 * GROUP), bias, kernels, bf16_prompts=False)
     else:
-        linear = GroupedLinear(_four_bit(300, 6 * GROUP, with_mins=bits == "4 with mins"), bias, kernels)
+        weight = _four_bit(300, 6 * GROUP, with_mins=bits == "4 with mins")
+        linear = GroupedLinear(weight, bias, kernels, bf16_prompts=False)
     x = torch.randn(rows, 6 * GROUP)
     expected = x.double() @ linear.weight.dequantize().double().T + bias.double()
     got = linear(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 300)
     assert torch.allclose(got.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not bf16_available(), reason="bfloat16 prompts need AVX512_BF16")
+def test_prompts_may_multiply_in_bfloat16_and_decoding_rows_stay_float32() -> None:
+    torch.manual_seed(0)
+    weight, x = torch.randn(200, 4 * GROUP), torch.randn(100, 4 * GROUP)
+    exact = GroupedLinear.quantized_int8(weight, None, bf16_prompts=False)
+    fast = GroupedLinear.quantized_int8(weight, None, bf16_prompts=True)
+    assert torch.equal(fast(x[:64]), exact(x[:64]))  # up to 64 rows: the float32 register kernel
+    prompt, reference = fast(x), exact(x)
+    assert not torch.equal(prompt, reference)
+    assert (prompt - reference).norm() / reference.norm() < 1e-2
 
 
 def test_weight_only_int8_handles_empty_batches_and_refuses_what_it_cannot_run() -> None:
