@@ -14,7 +14,7 @@ NATIVE := vattn/libvattn_native.so
 OPS := vattn/libvattn_ops.so
 FAKE_CUDA := build/libfakecuda.so
 
-.PHONY: setup native model serve test fuzz lint bench repro clean peers peer-vllm peer-llamacpp peer-hf
+.PHONY: setup native model serve test fuzz lint bench repro clean peers peer-vllm peer-llamacpp peer-llamacpp-avx2 peer-hf
 
 # After the venv, the libraries and the model are independent: built two at a time.
 setup: $(STAMP)
@@ -140,6 +140,17 @@ $(LLAMA_DIR)/build/.built: | $(LLAMA_DIR)/src/.unpacked
 
 $(addprefix $(LLAMA_DIR)/,$(LLAMA_TOOLS)): $(LLAMA_DIR)/build/.built
 	cp $(LLAMA_DIR)/build/bin/$(@F) $@
+
+# The same llama-server built for AVX2 only (no AVX-512): the peer of the forced-AVX2 runs
+# (benchmarks/README.md) on a machine that has AVX-512.
+peer-llamacpp-avx2: $(LLAMA_DIR)/avx2/llama-server
+$(LLAMA_DIR)/avx2/llama-server: | $(LLAMA_DIR)/src/.unpacked
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_DIR)/build-avx2 -G Ninja -DCMAKE_BUILD_TYPE=Release \
+		-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+		-DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+	cmake --build $(LLAMA_DIR)/build-avx2 --target llama-server -j 2
+	mkdir -p $(@D) && cp $(LLAMA_DIR)/build-avx2/bin/llama-server $@
 
 $(LLAMA_DIR)/SmolLM2-135M-Instruct.Q8_0.gguf: $(LLAMA_DIR)/SmolLM2-135M-Instruct.F32.gguf $(LLAMA_DIR)/llama-quantize
 	$(LLAMA_DIR)/llama-quantize $< $@.partial Q8_0 && mv $@.partial $@

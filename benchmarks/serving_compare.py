@@ -122,8 +122,7 @@ def vllm_system(model_dir: Path) -> System:
     return System("vllm", command, version, env, DEFAULT_MODEL, skip=missing(Path(command[0]), target="peer-vllm"))
 
 
-def llamacpp_system(name: str, gguf: Path) -> System:
-    server = PEERS / "llamacpp" / "llama-server"
+def llamacpp_system(name: str, gguf: Path, server: Path) -> System:
     slots, slot_context = 48, 1024  # every request of the deepest level in its own slot, prompt + output fit
     command = [
         str(server),
@@ -380,6 +379,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[Sys
     parser.add_argument("--model-dir", type=Path, default=default_model_dir(), help="the safetensors folder")
     parser.add_argument("--q4-gguf", type=Path, default=cache_dir() / "downloads" / f"{DEFAULT_MODEL}.Q4_1.gguf")
     parser.add_argument("--f32-gguf", type=Path, default=PEERS / "llamacpp" / f"{DEFAULT_MODEL}.F32.gguf")
+    parser.add_argument(
+        "--llama-server",
+        type=Path,
+        default=PEERS / "llamacpp" / "llama-server",
+        help="llama.cpp's server (.peers/llamacpp/avx2/llama-server: built for AVX2 only, make peer-llamacpp-avx2)",
+    )
     parser.add_argument("--q8-gguf", type=Path, default=PEERS / "llamacpp" / f"{DEFAULT_MODEL}.Q8_0.gguf")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", help="results file stem; default serving_compare (serving_compare_quick)")
@@ -392,9 +397,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[Sys
     systems = [vattn_system(name, extra) for name, _, extra in configs]
     systems += [
         vllm_system(args.model_dir),
-        llamacpp_system("llamacpp-f32", args.f32_gguf),
-        llamacpp_system("llamacpp-q8_0", args.q8_gguf),
-        llamacpp_system("llamacpp-q4_1", args.q4_gguf),
+        llamacpp_system("llamacpp-f32", args.f32_gguf, args.llama_server),
+        llamacpp_system("llamacpp-q8_0", args.q8_gguf, args.llama_server),
+        llamacpp_system("llamacpp-q4_1", args.q4_gguf, args.llama_server),
         hf_system(args.model_dir, args.output_tokens),
     ]
     if args.systems:

@@ -22,6 +22,7 @@ import httpx
 import numpy as np
 import torch
 
+from serving.linear import cpu_flags, cpu_kernels
 from vattn.sizes import KiB, MiB
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -80,14 +81,7 @@ def _cpu_model() -> str | None:
 def _cpu_flags() -> list[str]:
     """The CPU's SIMD flags that decide which kernels are fast here (AVX2, AVX-512 and its
     VNNI/BF16, AMX, FMA)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                return sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
-    except OSError:
-        pass
-    return []
+    return sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
 
 
 def _mem_total_bytes() -> int | None:
@@ -98,6 +92,10 @@ def _mem_total_bytes() -> int | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+"""Environment variables that hold torch, oneDNN and MKL below the CPU's widest instructions."""
 
 
 def machine_facts() -> dict[str, Any]:
@@ -116,6 +114,9 @@ def machine_facts() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "cpu_model": _cpu_model(),
         "cpu_flags": _cpu_flags(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "vattn_kernels": cpu_kernels(),
+        "isa_limits": {name: os.environ[name] for name in ISA_LIMITS if name in os.environ},
         "mem_total_bytes": _mem_total_bytes(),
         "page_size_os": os.sysconf("SC_PAGE_SIZE"),
         "max_map_count": int(Path("/proc/sys/vm/max_map_count").read_text()),
