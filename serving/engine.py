@@ -22,7 +22,7 @@ from serving.default_model import ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
 from serving.executor import ModelExecutor
 from serving.kv_store import KVStore, make_kv_store
-from serving.model_loader import load_model, model_shape
+from serving.model_loader import load_model, model_shape, return_freed_memory
 from serving.outputs import RequestOutput, StreamDelta
 from serving.request import (
     Request,
@@ -84,6 +84,8 @@ class LLMEngine:
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        del model  # the runner holds what it uses: the rest of the loaded model goes
+        return_freed_memory()
         self._changed: dict[Request, None] = {}
         """Requests that moved since the last step() returned (ordered, no repeats)."""
 

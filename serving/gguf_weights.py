@@ -29,9 +29,9 @@ PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
 def attach_gguf_weights(model: Any, path: Path) -> int:
-    """Sets `grouped_weight` on every projection of `model` (loaded from the GGUF at `path`)
-    whose tensor the file holds in a supported quantized type, and returns how many; the
-    others keep their dequantized weights."""
+    """Sets `grouped_weight` on the token embedding and every projection of `model` (loaded
+    from the GGUF at `path`) whose tensor the file holds in a supported quantized type, and
+    returns how many tensors that is; the others keep their dequantized weights."""
     from gguf import GGUFReader
 
     tensors = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
@@ -39,9 +39,12 @@ def attach_gguf_weights(model: Any, path: Path) -> int:
     permute = config.model_type in PERMUTED_ARCHITECTURES
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    attached = 0
+    attached: dict[str, GroupedWeight] = {}
     for name, module, rows_of_heads in projections(model, "output.weight" in tensors, heads, kv_heads):
         tensor = tensors.get(name)
+        if name in attached:  # the tied embedding and head: one table
+            module.grouped_weight = attached[name]
+            continue
         if tensor is None or tensor.tensor_type.name not in BLOCK_BYTES:
             continue
         weight = grouped(tensor.tensor_type.name, np.asarray(tensor.data))
@@ -52,14 +55,15 @@ def attach_gguf_weights(model: Any, path: Path) -> int:
             weight.dequantize(), expected, rtol=1e-3, atol=1e-5
         ):
             raise ValueError(f"{path.name}: tensor {name} does not match the model's {type(module).__name__} weights")
-        module.grouped_weight = weight
-        attached += 1
-    return attached
+        module.grouped_weight = attached[name] = weight
+    return len(attached)
 
 
 def projections(model: Any, untied_output: bool, heads: int, kv_heads: int) -> list[tuple[str, Any, int]]:
-    """(GGUF tensor name, module, heads whose rows llama.cpp permuted or 0) of each projection."""
-    found = [("output.weight" if untied_output else "token_embd.weight", model.lm_head, 0)]
+    """(GGUF tensor name, module, heads whose rows llama.cpp permuted or 0) of the token
+    embedding and each projection."""
+    found = [("token_embd.weight", model.model.embed_tokens, 0)]
+    found += [("output.weight" if untied_output else "token_embd.weight", model.lm_head, 0)]
     for index, layer in enumerate(model.model.layers):
         attention, mlp, block = layer.self_attn, layer.mlp, f"blk.{index}"
         found += [
@@ -96,5 +100,6 @@ def unpermute_order(rows: int, heads: int) -> torch.Tensor:
 
 
 def reorder_rows(weight: GroupedWeight, order: torch.Tensor) -> GroupedWeight:
-    mins = None if weight.mins is None else weight.mins[order].contiguous()
-    return GroupedWeight(weight.bits, weight.data[order].contiguous(), weight.scales[order].contiguous(), mins)
+    moved = weight.rows(order)
+    mins = None if moved.mins is None else moved.mins.contiguous()
+    return GroupedWeight(moved.bits, moved.data.contiguous(), moved.scales.contiguous(), mins)

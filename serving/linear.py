@@ -154,6 +154,11 @@ class GroupedWeight:
             None if mins[0] is None else torch.cat(mins),  # type: ignore[arg-type]
         )
 
+    def rows(self, index: Tensor) -> GroupedWeight:
+        """The weight's rows `index` (an embedding lookup, a reordering), still quantized."""
+        mins = None if self.mins is None else self.mins[index]
+        return GroupedWeight(self.bits, self.data[index], self.scales[index], mins)
+
     def dequantize(self) -> Tensor:
         out, groups = self.scales.shape
         if self.bits == 8:
@@ -232,6 +237,7 @@ def fused(linears: list[torch.nn.Linear], quantization: str) -> Linear:
         )
     if quantization == "gguf":
         if all(stored) and len({w.bits for w in stored}) == 1:  # type: ignore[union-attr]
-            return GroupedLinear(GroupedWeight.concat(stored), bias)  # type: ignore[arg-type]
+            one = stored[0] if len(stored) == 1 else GroupedWeight.concat(stored)  # type: ignore[arg-type]
+            return GroupedLinear(one, bias)  # type: ignore[arg-type]
         quantization = "none"  # a tensor the file holds in another type: its dequantized weights
     return make_linear(weight, bias, quantization)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,15 @@ def load_model(path: str | Path, dtype: torch.dtype, gguf_weights: bool = False)
     if gguf_weights and gguf_file is not None:
         attach_gguf_weights(model, folder / gguf_file)
     return model.eval(), tokenizer
+
+
+def return_freed_memory() -> None:
+    """Gives the heap's free pages back to the OS. Loading frees GBs of temporaries (a GGUF is
+    dequantized whole, fp32 projections are dropped once fused or quantized) that glibc would
+    otherwise keep: 1.09 GB of RSS becomes 0.51 GB for the default GGUF."""
+    gc.collect()  # a loaded model's modules refer to each other: collected, not freed by refcounts
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to ask
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def model_shape(model: Any) -> ModelShape:

@@ -19,7 +19,7 @@ from torch import Tensor
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from serving.linear import Linear, fused
+from serving.linear import GroupedWeight, Linear, fused
 from serving.model_loader import ModelShape
 from vattn.ops import vattn_ops
 
@@ -93,10 +93,20 @@ def decoder_layers(model: Any, quantization: str) -> list[DecoderLayer]:
     return layers
 
 
+class QuantizedEmbedding:
+    """An embedding table kept quantized (a GGUF's), each looked-up row dequantized."""
+
+    def __init__(self, table: GroupedWeight, dtype: torch.dtype) -> None:
+        self.table, self.dtype = table, dtype
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        return self.table.rows(ids).dequantize().to(self.dtype)
+
+
 class ModelRunner:
     """Runs one iteration's tokens (prefill chunks and decodes together) through the model.
 
-    The model's own modules serve the embedding and the rotary tables; norms (each fused
+    The model's own modules serve the embedding (a GGUF's stays quantized) and the rotary tables; norms (each fused
     with the residual add before it) and the rotation run as `Norm` and `rotate`, the
     projections as fused (and optionally bf16 or int8) ones, and the original projections
     are dropped.
@@ -109,6 +119,11 @@ class ModelRunner:
         self._activation = ACT2FN[model.config.hidden_act]
         self._final_norm = Norm.of(body.norm)
         self._lm_head = fused([model.lm_head], quantization)
+        self._embed = body.embed_tokens
+        stored = getattr(body.embed_tokens, "grouped_weight", None) if quantization == "gguf" else None
+        if stored is not None:  # the GGUF's own table, rows dequantized as looked up: no float copy kept
+            self._embed = QuantizedEmbedding(stored, body.embed_tokens.weight.dtype)
+            body.embed_tokens = None
         body.layers = torch.nn.ModuleList()  # the fused copies replace them
         self._attend = attend
 
@@ -116,7 +131,7 @@ class ModelRunner:
     def forward(self, input_ids: Tensor, batch: IterationBatch) -> Tensor:
         """Hidden states `[tokens, hidden]` after the final norm; token positions come from the batch."""
         shape, body = self._shape, self._body
-        hidden = body.embed_tokens(input_ids)
+        hidden = self._embed(input_ids)
         cos, sin = body.rotary_emb(hidden, batch.token_positions[None])
         cos, sin = cos[0], sin[0]
         tokens = input_ids.shape[0]

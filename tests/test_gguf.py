@@ -10,6 +10,7 @@ from serving.config import EngineConfig
 from serving.default_model import default_gguf
 from serving.gguf_weights import unpermute_order
 from serving.linear import GroupedLinear
+from serving.model_runner import QuantizedEmbedding
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
@@ -31,7 +32,7 @@ def test_unpermuting_rows_undoes_llamacpps_permutation(rows: int, heads: int) ->
 
 def test_the_default_gguf_keeps_its_quantized_weights_and_answers_as_the_float_folder() -> None:
     """The default model's folder is this GGUF dequantized: the same greedy tokens, from a
-    quarter of the bytes (Q4_1 layers, the tied Q8_0 head) instead of fp32's."""
+    quarter of the bytes (Q4_1 layers, the tied Q8_0 embedding and head) instead of fp32's."""
     gguf = LLM(model=str(default_gguf()), max_slots=4, max_context=256, kv_budget=32 << 20)
     folder = LLM(max_slots=4, max_context=256, kv_budget=32 << 20)
     try:
@@ -40,6 +41,8 @@ def test_the_default_gguf_keeps_its_quantized_weights_and_answers_as_the_float_f
         projections = [p for layer in runner._layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         assert all(isinstance(p, GroupedLinear) and p.weight.bits == 4 for p in projections)
         assert isinstance(runner._lm_head, GroupedLinear) and runner._lm_head.weight.bits == 8
+        assert isinstance(runner._embed, QuantizedEmbedding) and runner._embed.table is runner._lm_head.weight
+        assert runner._body.embed_tokens is None  # no float copy of the table is kept
         stored = sum(p.weight.data.numel() + 8 * p.weight.scales.numel() for p in projections)
         fp32 = sum(4 * p.weight.scales.numel() * 32 for p in projections)
         assert stored < fp32 / 5
