@@ -27,6 +27,7 @@ range), against 32.5 with per-row scales and 30.85 in bf16.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -43,13 +44,16 @@ GROUP = 32
 """Inputs per scale of `int8_weight_only` (as in a GGUF's Q8_0 blocks)."""
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none); read
+    once per process, not once per projection."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+        return frozenset()
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return frozenset(flags)
 
 
 def int8_activations_fast() -> bool:
