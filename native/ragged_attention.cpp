@@ -26,8 +26,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+// GCC 12 warns that the intrinsics' internal _mm256_undefined_pd() "may be used
+// uninitialized" (a false positive: the mask selects every lane).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 namespace {
 
@@ -80,7 +89,185 @@ struct BlockRows {
   }
 };
 
-template <typename QT, typename KT, typename Rows>
+// The three loops of an item, for keys in blocks of kBlock: scores (q . k for one lane and a
+// block of keys), softmax's exp and sum over a lane's scores, and the value sum (acc += p_j *
+// v_j over a block). The SIMD bodies put keys, not head_dim, across the vector lanes where it
+// counts: a block's products are summed by one transposing tree instead of one horizontal
+// reduction per key, exp runs 16 (or 8) scores at a time, and acc stays in registers over the
+// block. AVX-512 and AVX2 bodies are compiled into every build and chosen per call from
+// ATEN_CPU_CAPABILITY / the CPU, as torch chooses its own kernels.
+constexpr int64_t kBlock = 16;
+
+struct ScalarMath {
+  static void dots(const float* q, const float* const* keys, int64_t n, int64_t dim, float* out) {
+    for (int64_t j = 0; j < n; ++j) {
+      float dot = 0.0f;
+      for (int64_t d = 0; d < dim; ++d) dot += q[d] * keys[j][d];
+      out[j] = dot;
+    }
+  }
+  static float exp_sum(float* s, int64_t count, float top) {
+    float total = 0.0f;
+    for (int64_t j = 0; j < count; ++j) total += (s[j] = std::exp(s[j] - top));
+    return total;
+  }
+  static void accumulate(float* acc, const float* p, const float* const* values, int64_t n, int64_t dim) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < dim; ++d) acc[d] += p[j] * values[j][d];
+  }
+};
+
+#if defined(__x86_64__)
+// Cephes' expf: e^x = 2^k * e^r with |r| <= ln2/2 and a degree-5 polynomial for e^r (about
+// 1e-7 relative error); x is a score minus its row's maximum, so <= 0, and is clamped where
+// 2^k would leave float's normal range (e^-87 is 1.6e-38: nothing a softmax sum notices).
+constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+struct Avx2Math {
+  // out[i] = the sum of v[i]'s eight floats, for eight vectors: one transposing tree.
+  __attribute__((target("avx2,fma"))) static __m256 sum8(const __m256* v) {
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  }
+  __attribute__((target("avx2,fma"))) static float sum(__m256 v) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+  }
+  __attribute__((target("avx2,fma"))) static __m256 exp(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2High), x);
+    x = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Low), x);
+    __m256 y = _mm256_set1_ps(kExpPoly[0]);
+    for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kExpPoly[i]));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127));
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+  }
+  __attribute__((target("avx2,fma"))) static void dots(const float* q, const float* const* keys, int64_t n, int64_t dim,
+                                                       float* out) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      __m256 sums[8];
+      for (int i = 0; i < 8; ++i) sums[i] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        for (int i = 0; i < 8; ++i) sums[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[j + i] + d), sums[i]);
+      }
+      _mm256_storeu_ps(out + j, sum8(sums));
+    }
+    for (; j < n; ++j) {
+      __m256 total = _mm256_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 8) total = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(keys[j] + d), total);
+      out[j] = sum(total);
+    }
+  }
+  __attribute__((target("avx2,fma"))) static float exp_sum(float* s, int64_t count, float top) {
+    const __m256 shift = _mm256_set1_ps(top);
+    const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; j < count; j += 8) {
+      const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(count - j, 8))), index);
+      const __m256 e = exp(_mm256_sub_ps(_mm256_maskload_ps(s + j, live), shift));
+      _mm256_maskstore_ps(s + j, live, e);
+      total = _mm256_add_ps(total, _mm256_and_ps(e, _mm256_castsi256_ps(live)));
+    }
+    return sum(total);
+  }
+  __attribute__((target("avx2,fma"))) static void accumulate(float* acc, const float* p, const float* const* values,
+                                                             int64_t n, int64_t dim) {
+    int64_t d = 0;
+    for (; d + 32 <= dim; d += 32) {
+      __m256 a[4];
+      for (int i = 0; i < 4; ++i) a[i] = _mm256_loadu_ps(acc + d + 8 * i);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        for (int i = 0; i < 4; ++i) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(values[j] + d + 8 * i), a[i]);
+      }
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + d + 8 * i, a[i]);
+    }
+    for (; d < dim; d += 8) {
+      __m256 a = _mm256_loadu_ps(acc + d);
+      for (int64_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(values[j] + d), a);
+      _mm256_storeu_ps(acc + d, a);
+    }
+  }
+};
+
+struct Avx512Math {
+  __attribute__((target("avx512f,avx2,fma"))) static __m512 exp(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT);
+    x = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2High), x);
+    x = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Low), x);
+    __m512 y = _mm512_set1_ps(kExpPoly[0]);
+    for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpPoly[i]));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, k);
+  }
+  __attribute__((target("avx512f,avx2,fma"))) static __m256 low_plus_high(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+  __attribute__((target("avx512f,avx2,fma"))) static void dots(const float* q, const float* const* keys, int64_t n, int64_t dim,
+                                                      float* out) {
+    if (n < kBlock) {
+      for (int64_t j = 0; j < n; ++j) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16)
+          sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(keys[j] + d), sum);
+        out[j] = _mm512_reduce_add_ps(sum);
+      }
+      return;
+    }
+    __m512 sums[kBlock];
+    for (int64_t j = 0; j < kBlock; ++j) sums[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512 qd = _mm512_loadu_ps(q + d);
+      for (int64_t j = 0; j < kBlock; ++j) sums[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(keys[j] + d), sums[j]);
+    }
+    __m256 halves[kBlock];
+    for (int64_t j = 0; j < kBlock; ++j) halves[j] = low_plus_high(sums[j]);
+    _mm256_storeu_ps(out, Avx2Math::sum8(halves));
+    _mm256_storeu_ps(out + 8, Avx2Math::sum8(halves + 8));
+  }
+  __attribute__((target("avx512f,avx2,fma"))) static float exp_sum(float* s, int64_t count, float top) {
+    const __m512 shift = _mm512_set1_ps(top);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < count; j += 16) {
+      const __mmask16 live = count - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j)) - 1);
+      const __m512 e = exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), shift));
+      _mm512_mask_storeu_ps(s + j, live, e);
+      total = _mm512_mask_add_ps(total, live, total, e);
+    }
+    return _mm512_reduce_add_ps(total);
+  }
+  __attribute__((target("avx512f,avx2,fma"))) static void accumulate(float* acc, const float* p, const float* const* values,
+                                                            int64_t n, int64_t dim) {
+    int64_t d = 0;
+    for (; d + 64 <= dim; d += 64) {
+      __m512 a[4];
+      for (int i = 0; i < 4; ++i) a[i] = _mm512_loadu_ps(acc + d + 16 * i);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m512 pj = _mm512_set1_ps(p[j]);
+        for (int i = 0; i < 4; ++i) a[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(values[j] + d + 16 * i), a[i]);
+      }
+      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + d + 16 * i, a[i]);
+    }
+    for (; d < dim; d += 16) {
+      __m512 a = _mm512_loadu_ps(acc + d);
+      for (int64_t j = 0; j < n; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(values[j] + d), a);
+      _mm512_storeu_ps(acc + d, a);
+    }
+  }
+};
+#endif
+
+template <typename Math, typename QT, typename KT, typename Rows>
 void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, const Rows& value_rows, int64_t kv_heads,
             const int64_t* starts, const int64_t* news, const int64_t* lengths, int64_t batch, double scale) {
   const int64_t heads = q.size(1), dim = q.size(2);
@@ -123,7 +310,8 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
   std::vector<float> partial_max(partial_lanes), partial_sum(partial_lanes), partial_acc(partial_lanes * dim);
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, queries, acc, tops, totals, row(dim);
+    std::vector<float> scores, queries, acc, tops, totals, converted(kBlock * dim);
+    std::vector<const float*> pointers(kBlock);
     for (int64_t it = begin; it < end; ++it) {
       const Item item = items[it];
       const int64_t b = item.request, length = lengths[b];
@@ -142,45 +330,41 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       // Row r sees the item's keys [key_begin, key_begin + seen(r)); rows before key j skip it.
       auto seen = [&](int64_t r) { return std::clamp<int64_t>(first_pos + r + 1 - key_begin, 0, keys); };
       auto first_row = [&](int64_t j) { return std::max<int64_t>(0, key_begin + j - first_pos); };
-      for (int64_t j = 0; j < keys; ++j)
+      // One block of keys' (or values') rows for kv head `kv`, as floats.
+      auto block_rows = [&](const Rows& rows_of, int64_t kv, int64_t jb, int64_t n) {
+        for (int64_t j = 0; j < n; ++j)
+          pointers[j] = float_row(rows_of(b, kv, key_begin + jb + j), converted.data() + j * dim, dim);
+        return pointers.data();
+      };
+      // Scores for every key a row might see (keys past a row's own last one are never used).
+      for (int64_t jb = 0; jb < keys; jb += kBlock) {
+        const int64_t n = std::min(kBlock, keys - jb);
         for (int64_t kv = 0; kv < kv_heads; ++kv) {
-          const float* key = float_row(key_rows(b, kv, key_begin + j), row.data(), dim);
-          for (int64_t r = first_row(j); r < item.rows; ++r)
-            for (int64_t lane = r * heads + kv * group; lane < r * heads + (kv + 1) * group; ++lane) {
-              const float* qv = queries.data() + lane * dim;
-              float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-              for (int64_t d = 0; d < dim; ++d) dot += qv[d] * key[d];
-              scores[lane * keys + j] = dot;
-            }
+          const float* const* key_block = block_rows(key_rows, kv, jb, n);
+          for (int64_t r = first_row(jb); r < item.rows; ++r)
+            for (int64_t lane = r * heads + kv * group; lane < r * heads + (kv + 1) * group; ++lane)
+              Math::dots(queries.data() + lane * dim, key_block, n, dim, scores.data() + lane * keys + jb);
         }
+      }
       tops.resize(lanes);
       totals.resize(lanes);
       for (int64_t lane = 0; lane < lanes; ++lane) {
         const int64_t count = seen(lane / heads);
         float* s = scores.data() + lane * keys;
-        float top = -INFINITY;
-        for (int64_t j = 0; j < count; ++j) top = std::max(top, s[j]);
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < count; ++j) {
-          s[j] = std::exp(s[j] - top);
-          total += s[j];
-        }
-        tops[lane] = top;
-        totals[lane] = total;
+        tops[lane] = count ? *std::max_element(s, s + count) : -INFINITY;
+        totals[lane] = Math::exp_sum(s, count, tops[lane]);
       }
-      for (int64_t j = 0; j < keys; ++j)
+      for (int64_t jb = 0; jb < keys; jb += kBlock) {
+        const int64_t n = std::min(kBlock, keys - jb);
         for (int64_t kv = 0; kv < kv_heads; ++kv) {
-          const float* value = float_row(value_rows(b, kv, key_begin + j), row.data(), dim);
-          for (int64_t r = first_row(j); r < item.rows; ++r)
-            for (int64_t lane = r * heads + kv * group; lane < r * heads + (kv + 1) * group; ++lane) {
-              const float p = scores[lane * keys + j];
-              float* a = acc.data() + lane * dim;
-#pragma omp simd
-              for (int64_t d = 0; d < dim; ++d) a[d] += p * value[d];
-            }
+          const float* const* value_block = block_rows(value_rows, kv, jb, n);
+          for (int64_t r = first_row(jb); r < item.rows; ++r) {
+            const int64_t used = std::min(n, seen(r) - jb);
+            for (int64_t lane = r * heads + kv * group; lane < r * heads + (kv + 1) * group; ++lane)
+              Math::accumulate(acc.data() + lane * dim, scores.data() + lane * keys + jb, value_block, used, dim);
+          }
         }
+      }
       if (item.partial >= 0) {
         std::copy(tops.begin(), tops.end(), partial_max.begin() + item.partial);
         std::copy(totals.begin(), totals.end(), partial_sum.begin() + item.partial);
@@ -225,22 +409,51 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
   }
 }
 
-// Calls f.template operator()<QT, KT>() for the supported (query, cache) dtype pairs.
-template <typename F>
-void dispatch(at::ScalarType qt, at::ScalarType kt, const F& f) {
+// Calls f.template operator()<Math, QT, KT>() for the supported (query, cache) dtype pairs.
+template <typename Math, typename F>
+void by_dtype(at::ScalarType qt, at::ScalarType kt, const F& f) {
   if (qt == at::kFloat && kt == at::kFloat) {
-    f.template operator()<float, float>();
+    f.template operator()<Math, float, float>();
   } else if (qt == at::kFloat && kt == at::kBFloat16) {
-    f.template operator()<float, c10::BFloat16>();
+    f.template operator()<Math, float, c10::BFloat16>();
   } else if (qt == at::kBFloat16 && kt == at::kBFloat16) {
-    f.template operator()<c10::BFloat16, c10::BFloat16>();
+    f.template operator()<Math, c10::BFloat16, c10::BFloat16>();
   } else if (qt == at::kHalf && kt == at::kHalf) {
-    f.template operator()<c10::Half, c10::Half>();
+    f.template operator()<Math, c10::Half, c10::Half>();
   } else if (qt == at::kFloat && kt == at::kHalf) {
-    f.template operator()<float, c10::Half>();
+    f.template operator()<Math, float, c10::Half>();
   } else {
     TORCH_CHECK(false, "unsupported dtypes: q ", qt, ", cache ", kt);
   }
+}
+
+// The widest body this CPU allows for this head_dim, capped as torch caps its own kernels
+// by ATEN_CPU_CAPABILITY (`avx2` or `default`): torch does not export its own choice.
+std::string simd_for(int64_t head_dim) {
+#if defined(__x86_64__)
+  static const std::string widest = [] {
+    const char* asked = std::getenv("ATEN_CPU_CAPABILITY");
+    const std::string cap = asked ? asked : "";
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    if (cap == "default" || !avx2) return std::string("scalar");
+    return std::string(avx512 && cap != "avx2" ? "avx512" : "avx2");
+  }();
+  if (widest == "avx512" && head_dim % 16 == 0) return widest;
+  if (widest != "scalar" && head_dim % 8 == 0) return "avx2";
+#endif
+  return "scalar";
+}
+
+template <typename F>
+void dispatch(at::ScalarType qt, at::ScalarType kt, int64_t head_dim, const F& f) {
+  const std::string simd = simd_for(head_dim);
+#if defined(__x86_64__)
+  if (simd == "avx512") return by_dtype<Avx512Math>(qt, kt, f);
+  if (simd == "avx2") return by_dtype<Avx2Math>(qt, kt, f);
+#endif
+  by_dtype<ScalarMath>(qt, kt, f);
 }
 
 // The checks both entry points share; returns the batch size.
@@ -286,8 +499,8 @@ void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
     TORCH_CHECK(0 <= ids[b] && ids[b] < k_cache.size(0), "reqid out of range");
     TORCH_CHECK(lens[b] <= k_cache.size(1), "a length exceeds the context");
   }
-  dispatch(q.scalar_type(), k_cache.scalar_type(), [&]<typename QT, typename KT>() {
-    attend<QT, KT>(out, q, SlotRows<KT>(k_cache, ids), SlotRows<KT>(v_cache, ids), k_cache.size(2),
+  dispatch(q.scalar_type(), k_cache.scalar_type(), q.size(2), [&]<typename Math, typename QT, typename KT>() {
+    attend<Math, QT, KT>(out, q, SlotRows<KT>(k_cache, ids), SlotRows<KT>(v_cache, ids), k_cache.size(2),
                    starts.const_data_ptr<int64_t>(), new_tokens.const_data_ptr<int64_t>(), lens, batch, scale);
   });
 }
@@ -311,8 +524,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
       TORCH_CHECK(0 <= block && block < num_blocks, "block id out of range");
     }
   }
-  dispatch(q.scalar_type(), k_blocks.scalar_type(), [&]<typename QT, typename KT>() {
-    attend<QT, KT>(out, q, BlockRows<KT>(k_blocks, block_table), BlockRows<KT>(v_blocks, block_table),
+  dispatch(q.scalar_type(), k_blocks.scalar_type(), q.size(2), [&]<typename Math, typename QT, typename KT>() {
+    attend<Math, QT, KT>(out, q, BlockRows<KT>(k_blocks, block_table), BlockRows<KT>(v_blocks, block_table),
                    k_blocks.size(2), starts.const_data_ptr<int64_t>(), new_tokens.const_data_ptr<int64_t>(), lens,
                    batch, scale);
   });
@@ -327,6 +540,7 @@ TORCH_LIBRARY(vattn, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_blocks, Tensor v_blocks, Tensor block_table, "
       "Tensor starts, Tensor new_tokens, Tensor lengths, float scale) -> ()");
+  m.def("attention_simd(int head_dim) -> str", &simd_for);
 }
 
 TORCH_LIBRARY_IMPL(vattn, CPU, m) {

@@ -3,6 +3,9 @@ kernels' clean refusal without a GPU."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -13,6 +16,7 @@ from vattn import KVCache, KVCacheConfig, UnavailableError
 from vattn.backends.cuda_calls import NativeCudaCalls
 from vattn.backends.native import load_native, native_available
 from vattn.kernels import KERNELS, make_kernel
+from vattn.ops import vattn_ops
 
 MakeCache = Callable[..., KVCache]
 CPU_KERNELS = ["sdpa", "ragged"]
@@ -45,6 +49,43 @@ def test_cpu_kernels_at_long_contexts_with_few_requests(make_cache: MakeCache, k
 def test_cpu_kernels_in_half_precision(make_cache: MakeCache, kernel: str, dtype: str) -> None:
     check_kernel(kernel, make_cache(dtype=dtype), query_heads=4, tolerance=2e-2)
 
+
+# The ragged kernel against float64 attention for head dims that take each SIMD body, over
+# lengths that end mid-block (blocks of 16 keys) and chunks whose rows end mid-block.
+SIMD_CHECK = """
+import torch
+from vattn.ops import vattn_ops
+ops, generator = vattn_ops(), torch.Generator().manual_seed(0)
+for dim in (64, 40, 12):
+    lengths, news = [1, 17, 40, 300, 33], [1, 1, 20, 1, 33]
+    k, v = (torch.randn(5, 300, 3, dim, generator=generator) for _ in range(2))
+    q = torch.randn(sum(news), 9, dim, generator=generator)
+    out, starts = torch.empty_like(q), torch.tensor([0, *news[:-1]]).cumsum(0)
+    ops.ragged_attention(out, q, k, v, torch.arange(5), starts, torch.tensor(news), torch.tensor(lengths), dim**-0.5)
+    for b, (length, new) in enumerate(zip(lengths, news)):
+        rows = slice(starts[b], starts[b] + new)
+        keys, values = (x[b, :length].double().repeat_interleave(3, 1).transpose(0, 1) for x in (k, v))
+        scores = q[rows].double().transpose(0, 1) @ keys.transpose(1, 2) * dim**-0.5
+        seen = torch.arange(length) <= torch.arange(length - new, length)[:, None]
+        expected = (scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values).transpose(0, 1)
+        torch.testing.assert_close(out[rows].double(), expected, rtol=1e-5, atol=1e-5)
+    print(ops.attention_simd(dim), end=" ")
+"""
+WIDEST = vattn_ops().attention_simd(64)
+
+
+@pytest.mark.parametrize("capability", ["", "avx2", "default"])
+def test_ragged_kernel_simd_bodies_match_float64(capability: str) -> None:
+    """Each SIMD body (AVX-512, AVX2, scalar) is chosen as torch chooses its own kernels
+    (ATEN_CPU_CAPABILITY caps it), by head_dim's fit, and matches float64 attention."""
+    if capability == "avx2" and WIDEST == "scalar":
+        pytest.skip("this CPU has no AVX2")
+    env = os.environ | {"ATEN_CPU_CAPABILITY": capability}
+    result = subprocess.run([sys.executable, "-c", SIMD_CHECK], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    widest = {"": WIDEST, "avx2": "avx2", "default": "scalar"}[capability]
+    expected = {"avx512": ["avx512", "avx2", "scalar"], "avx2": ["avx2", "avx2", "scalar"]}.get(widest, ["scalar"] * 3)
+    assert result.stdout.split() == expected
 
 def test_plan_refuses_what_step_did_not_guarantee(make_cache: MakeCache) -> None:
     cache = make_cache()
