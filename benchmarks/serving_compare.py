@@ -40,8 +40,8 @@ import openai
 from matplotlib.ticker import ScalarFormatter
 from tqdm import tqdm
 
+from measure.peers import PEERS, dist_version, missing, vllm_env
 from measure.results import (
-    REPO_ROOT,
     RESULTS_DIR,
     CpuShare,
     command_line,
@@ -59,7 +59,6 @@ from vattn.sizes import MiB
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-PEERS = REPO_ROOT / ".peers"
 PAGE = os.sysconf("SC_PAGE_SIZE")
 PEER_NAMES = ("vllm", "llamacpp-f32", "llamacpp-q8_0", "llamacpp-q4_1", "hf-serve")
 
@@ -74,17 +73,6 @@ class System:
     endpoint: str = "/v1/completions"
     extra_body: dict[str, Any] = field(default_factory=lambda: {"ignore_eos": True})
     skip: str | None = None  # why it cannot run here
-
-
-def dist_version(venv: Path, dist: str) -> str:
-    """The version of distribution `dist` installed in `venv`, read from its .dist-info name."""
-    found = sorted(venv.glob(f"lib/python*/site-packages/{dist.replace('-', '_')}-*.dist-info"))
-    return found[0].name.removesuffix(".dist-info").split("-")[1] if found else "?"
-
-
-def missing(*paths: Path, target: str) -> str | None:
-    absent = [str(p) for p in paths if not p.exists()]
-    return f"not installed ({', '.join(absent)} missing): run `make {target}`" if absent else None
 
 
 def vattn_system(name: str, extra_args: str) -> System:
@@ -108,16 +96,7 @@ def vllm_system(model_dir: Path) -> System:
         "--max-model-len=2048",
         "--disable-uvicorn-access-log",
     ]
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB: 48 x 576 tokens need 1.3 GiB in fp32
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # both cores compute (by default one is kept for the frontend)
-    }
-    # TCMalloc and Intel's OpenMP (a dependency of vllm-cpu) preloaded, as vLLM's CPU docs say and its
-    # worker warns when they are not.
-    preload = [*sorted(venv.glob("tcmalloc/usr/lib/*/libtcmalloc_minimal.so.4")), *venv.glob("lib/libiomp5.so")]
-    if preload:
-        env["LD_PRELOAD"] = ":".join(map(str, preload))
+    env = vllm_env(venv)
     version = f"vllm-cpu {dist_version(venv, 'vllm-cpu')}, torch {dist_version(venv, 'torch')}"
     return System("vllm", command, version, env, DEFAULT_MODEL, skip=missing(Path(command[0]), target="peer-vllm"))
 

@@ -87,6 +87,7 @@ def test_ragged_kernel_simd_bodies_match_float64(capability: str) -> None:
     expected = {"avx512": ["avx512", "avx2", "scalar"], "avx2": ["avx2", "avx2", "scalar"]}.get(widest, ["scalar"] * 3)
     assert result.stdout.split() == expected
 
+
 def test_plan_refuses_what_step_did_not_guarantee(make_cache: MakeCache) -> None:
     cache = make_cache()
     kernel = make_kernel("sdpa", cache, num_query_heads=4)

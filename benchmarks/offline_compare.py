@@ -1,0 +1,232 @@
+"""Offline generation against OpenVINO GenAI, the strongest CPU peer: the same prompts through
+vattn's `LLM.generate` and OpenVINO GenAI's `ContinuousBatchingPipeline`, at equal weight
+precision.
+
+The workload: seeded prompts of 128-512 common English words (tokenized by the model's tokenizer,
+the same ids for every system), all submitted at once, greedy, 64 new tokens each with EOS
+ignored, 2 threads. Each system runs in a process of its own, once per round, the rounds
+alternating between systems (the machine's noise falls on all of them). Reported: output
+tokens/s per round and their mean, peak RSS, and greedy agreement with vattn fp32 (the share of
+prompts whose 64 tokens are all equal, and the mean length of the common prefix).
+
+OpenVINO runs from the model's IRs that `make peer-openvino` exports with optimum-intel
+(`--weight-format fp32` and `int8`: per-channel int8 weights), with its inference precision
+pinned to f32 (on a CPU with AVX512_BF16 it would otherwise run in bf16) and its KV cache in f32
+or at its default precision.
+
+    python -m benchmarks.offline_compare [--prompts 64] [--rounds 2] [--systems vattn-fp32,openvino-fp32-f32kv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import resource
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+import matplotlib
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from measure.peers import PEERS, dist_version, missing
+from measure.results import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    command_line,
+    machine_facts,
+    print_table,
+    save_figure,
+    write_results,
+)
+from measure.workloads import engine_options, random_word_prompts
+from serving.default_model import ensure_default_model
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+OPENVINO = PEERS / "openvino"
+DRIVER = REPO_ROOT / "benchmarks" / "peer_drivers" / "openvino_offline.py"
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    weights: str  # "fp32" or "int8": the comparison is at equal weight precision
+    vattn_config: str | None = None  # a measure.workloads configuration
+    ir: str | None = None  # OpenVINO's IR folder under .peers/openvino/
+    kv_precision: str | None = None  # OpenVINO's KV_CACHE_PRECISION; None: its default
+
+
+SYSTEMS = (
+    System("vattn-fp32", "fp32", vattn_config="fp32"),
+    System("vattn-w8", "int8", vattn_config="w8"),
+    System("openvino-fp32-f32kv", "fp32", ir="ir-fp32", kv_precision="f32"),
+    System("openvino-fp32-defaultkv", "fp32", ir="ir-fp32"),
+    System("openvino-int8-f32kv", "int8", ir="ir-int8", kv_precision="f32"),
+    System("openvino-int8-defaultkv", "int8", ir="ir-int8"),
+)
+
+
+def vattn_round(config: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """One round in this (child) process: build, warm up on one prompt, generate every prompt."""
+    from serving import LLM, SamplingParams
+
+    longest = max(map(len, prompts)) + max_tokens
+    llm = LLM(max_slots=len(prompts), max_context=longest, prefix_caching=False, **engine_options(config))
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        llm.generate(prompts[:1], params, use_tqdm=False)
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+    finally:
+        llm.close()
+    return {
+        "seconds": seconds,
+        "output_tokens": sum(len(o.token_ids) for o in outputs),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "outputs": [o.token_ids for o in outputs],
+    }
+
+
+def openvino_round(system: System, prompts_file: Path, max_tokens: int, threads: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "out.json"
+        command = [str(OPENVINO / "bin" / "python"), str(DRIVER), str(OPENVINO / str(system.ir)), str(prompts_file)]
+        command += [str(out), "--threads", str(threads), "--max-tokens", str(max_tokens)]
+        command += ["--inference-precision", "f32"]
+        command += ["--kv-precision", system.kv_precision] if system.kv_precision else []
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        return json.loads(out.read_text())
+
+
+def skip_reason(system: System) -> str | None:
+    if system.ir is None:
+        return None
+    return missing(OPENVINO / "bin" / "python", OPENVINO / system.ir, target="peer-openvino")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--shortest", type=int, default=128)
+    parser.add_argument("--longest", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--systems", default=",".join(s.name for s in SYSTEMS))
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    known = {s.name: s for s in SYSTEMS}
+    unknown = [name for name in args.systems.split(",") if name not in known]
+    if unknown:
+        parser.error(f"unknown systems {unknown}; known: {', '.join(known)}")
+    args.systems = [known[name] for name in args.systems.split(",")]
+    return args
+
+
+def measure(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, list[dict[str, Any]]]:
+    """Every system's rounds, alternating; systems that cannot run here are skipped."""
+    runnable = [s for s in args.systems if skip_reason(s) is None]
+    for system in args.systems:
+        if reason := skip_reason(system):
+            print(f"skipping {system.name}: {reason}")
+    rounds: dict[str, list[dict[str, Any]]] = {s.name: [] for s in runnable}
+    spawn = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as scratch:
+        prompts_file = Path(scratch) / "prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        runs = [(r, s) for r in range(args.rounds) for s in runnable]
+        for _, system in tqdm(runs, desc="rounds"):
+            if system.vattn_config:
+                with spawn.Pool(1) as pool:
+                    result = pool.apply(vattn_round, (system.vattn_config, prompts, args.max_tokens))
+            else:
+                result = openvino_round(system, prompts_file, args.max_tokens, args.threads)
+            rounds[system.name].append(result)
+    return rounds
+
+
+def tabulate(systems: list[System], rounds: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    reference = rounds.get("vattn-fp32", [{}])[0].get("outputs")
+    rows = []
+    for system in systems:
+        if system.name not in rounds:
+            continue
+        results = rounds[system.name]
+        speeds = [r["output_tokens"] / r["seconds"] for r in results]
+        row: dict[str, Any] = {"system": system.name, "weights": system.weights, "kv": system.kv_precision or "default"}
+        row |= {f"round_{i + 1}_tok_s": s for i, s in enumerate(speeds)}
+        row |= {"out_tok_s": mean(speeds), "peak_rss_mib": max(r["peak_rss_bytes"] for r in results) / 2**20}
+        if reference is not None:
+            outputs = results[0]["outputs"]
+            row["same_greedy"] = sum(a == b for a, b in zip(outputs, reference, strict=True)) / len(reference)
+            row["common_prefix"] = mean(common_prefix(a, b) for a, b in zip(outputs, reference, strict=True))
+        rows.append(row)
+    for row in rows:  # against OpenVINO at the same weight precision and f32 KV
+        peer = next((r for r in rows if r["system"] == f"openvino-{row['weights']}-f32kv"), None)
+        if row["system"].startswith("vattn") and peer:
+            row["vs_openvino_same_precision"] = row["out_tok_s"] / peer["out_tok_s"]
+    return rows
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh(
+        [r["system"] for r in rows],
+        [r["out_tok_s"] for r in rows],
+        color=["tab:blue" if r["system"].startswith("vattn") else "tab:grey" for r in rows],
+    )
+    for i, row in enumerate(rows):
+        ax.text(row["out_tok_s"], i, f" {row['out_tok_s']:.1f}", va="center")
+    ax.set_xlabel("output tokens/s (mean of rounds)")
+    ax.set_xlim(0, max(r["out_tok_s"] for r in rows) * 1.25)
+    save_figure(fig, path, "offline generation, same prompts, 2 threads")
+
+
+def versions() -> dict[str, str]:
+    return {dist: dist_version(OPENVINO, dist) for dist in ("openvino", "openvino-genai", "optimum-intel")}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    words = random_word_prompts(args.prompts, args.shortest, args.longest, seed=0)
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in words]
+    rounds = measure(args, prompts)
+    rows = tabulate(args.systems, rounds)
+    workload = {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_tokens": args.max_tokens}
+    workload |= {"rounds": args.rounds, "threads": args.threads}
+    payload = {"command": command_line(), "machine": machine_facts(), "workload": workload, "rows": rows}
+    payload["peer_versions"] = versions()
+    csv_path, json_path, png_path = write_results(args.out, "offline_compare", rows, payload)
+    print_table(
+        rows,
+        [
+            ("system", "system", 24, ""),
+            ("out tok/s", "out_tok_s", 10, ".1f"),
+            ("vs OV", "vs_openvino_same_precision", 7, ".2f"),
+            ("RSS MiB", "peak_rss_mib", 8, ".0f"),
+            ("same greedy", "same_greedy", 12, ".1%"),
+            ("common prefix", "common_prefix", 14, ".1f"),
+        ],
+        f"{len(prompts)} prompts, {args.max_tokens} greedy tokens each, {args.threads} threads",
+    )
+    plot(rows, png_path)
+    print(f"wrote {csv_path}, {json_path}, {png_path}")
+
+
+if __name__ == "__main__":
+    main()

