@@ -49,17 +49,6 @@ struct Item {
   int64_t partial;             // first lane of its partial results, or -1 when not split
 };
 
-// A K or V row as floats: the row itself for a float cache, else converted into `buffer`.
-template <typename T>
-inline const float* float_row(const T* src, float* buffer, int64_t dim) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-    for (int64_t d = 0; d < dim; ++d) buffer[d] = static_cast<float>(src[d]);
-    return buffer;
-  }
-}
-
 // Token j's row for kv head `kv` of request b: row reqids[b] of a [slots, context, kv_heads,
 // head_dim] virtual tensor.
 template <typename KT>
@@ -99,6 +88,11 @@ struct BlockRows {
 constexpr int64_t kBlock = 16;
 
 struct ScalarMath {
+  template <typename T>
+  static void widen(const T* const* rows, int64_t n, int64_t dim, float* dst) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < dim; ++d) dst[j * dim + d] = static_cast<float>(rows[j][d]);
+  }
   static void dots(const float* q, const float* const* keys, int64_t n, int64_t dim, float* out) {
     for (int64_t j = 0; j < n; ++j) {
       float dot = 0.0f;
@@ -126,6 +120,22 @@ constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e
                                4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
 struct Avx2Math {
+  __attribute__((target("avx2,fma,f16c"))) static void widen(const c10::Half* const* rows, int64_t n, int64_t dim,
+                                                            float* dst) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + d));
+        _mm256_storeu_ps(dst + j * dim + d, _mm256_cvtph_ps(half));
+      }
+  }
+  __attribute__((target("avx2,fma"))) static void widen(const c10::BFloat16* const* rows, int64_t n, int64_t dim,
+                                                       float* dst) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + d)));
+        _mm256_storeu_ps(dst + j * dim + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+      }
+  }
   // out[i] = the sum of v[i]'s eight floats, for eight vectors: one transposing tree.
   __attribute__((target("avx2,fma"))) static __m256 sum8(const __m256* v) {
     const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
@@ -200,6 +210,22 @@ struct Avx2Math {
 };
 
 struct Avx512Math {
+  __attribute__((target("avx512f,avx2,fma"))) static void widen(const c10::Half* const* rows, int64_t n, int64_t dim,
+                                                                float* dst) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + d));
+        _mm512_storeu_ps(dst + j * dim + d, _mm512_cvtph_ps(half));
+      }
+  }
+  __attribute__((target("avx512f,avx2,fma"))) static void widen(const c10::BFloat16* const* rows, int64_t n,
+                                                                int64_t dim, float* dst) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m256i narrow = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + d));
+        _mm512_storeu_ps(dst + j * dim + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow), 16)));
+      }
+  }
   __attribute__((target("avx512f,avx2,fma"))) static __m512 exp(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT);
@@ -312,6 +338,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, queries, acc, tops, totals, converted(kBlock * dim);
     std::vector<const float*> pointers(kBlock);
+    std::vector<const KT*> sources(kBlock);
     for (int64_t it = begin; it < end; ++it) {
       const Item item = items[it];
       const int64_t b = item.request, length = lengths[b];
@@ -330,11 +357,17 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       // Row r sees the item's keys [key_begin, key_begin + seen(r)); rows before key j skip it.
       auto seen = [&](int64_t r) { return std::clamp<int64_t>(first_pos + r + 1 - key_begin, 0, keys); };
       auto first_row = [&](int64_t j) { return std::max<int64_t>(0, key_begin + j - first_pos); };
-      // One block of keys' (or values') rows for kv head `kv`, as floats.
-      auto block_rows = [&](const Rows& rows_of, int64_t kv, int64_t jb, int64_t n) {
-        for (int64_t j = 0; j < n; ++j)
-          pointers[j] = float_row(rows_of(b, kv, key_begin + jb + j), converted.data() + j * dim, dim);
-        return pointers.data();
+      // One block of keys' (or values') rows for kv head `kv`, as floats: the cache's own rows,
+      // or (a float16 or bfloat16 cache, read at half the bytes) widened into `converted`.
+      auto block_rows = [&](const Rows& rows_of, int64_t kv, int64_t jb, int64_t n) -> const float* const* {
+        for (int64_t j = 0; j < n; ++j) sources[j] = rows_of(b, kv, key_begin + jb + j);
+        if constexpr (std::is_same_v<KT, float>) {
+          return sources.data();
+        } else {
+          Math::widen(sources.data(), n, dim, converted.data());
+          for (int64_t j = 0; j < n; ++j) pointers[j] = converted.data() + j * dim;
+          return pointers.data();
+        }
       };
       // Scores for every key a row might see (keys past a row's own last one are never used).
       for (int64_t jb = 0; jb < keys; jb += kBlock) {

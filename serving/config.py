@@ -14,6 +14,7 @@ from vattn.sizes import KiB, MiB
 from vattn.validate import is_int, require_positive_int
 
 KV_CACHES = ("virtual", "paged")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,11 @@ class EngineConfig:
     quantization: str = "auto"
     """Weights (serving.linear): `none` (as `dtype`), `bf16`, `int8`, `int8_weight_only`, or
     `gguf` (a GGUF file's quantized weights as stored); `auto`: `gguf` for a GGUF file, else `none`."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's precision (vLLM's --kv-cache-dtype): `auto` is `dtype`; `float16` (llama.cpp's
+    default KV type) or `bfloat16` halve a float32 model's KV bytes, and with them the bytes a
+    decode step's attention reads. Only the ragged kernel reads a cache of another precision
+    than the model's."""
     seed: int = 0
     """Random stream of requests that give no seed of their own."""
 
@@ -74,6 +80,7 @@ class EngineConfig:
                 f"kernel {self.kernel!r} does not run on the {self.kv_cache} KV cache; "
                 f"choose auto or one of {', '.join(kernels)}"
             )
+        self._check_kv_cache_dtype()
         is_gguf = str(self.model or "").endswith(".gguf")
         if self.quantization == "auto":
             object.__setattr__(self, "quantization", "gguf" if is_gguf else "none")
@@ -86,6 +93,28 @@ class EngineConfig:
                 "folder: pass a .gguf file as the model, or choose another quantization"
             )
 
+    def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype in ("auto", self.dtype):
+            return
+        if self.dtype != "float32":
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype} needs a float32 model (dtype float32); with dtype "
+                f"{self.dtype}, use kv_cache_dtype auto"
+            )
+        kernel = self.kernel if self.kernel != "auto" else "ragged" if self.backend == "host" else "sdpa"
+        if self.kv_cache != "virtual" or kernel != "ragged":
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype} is read only by the ragged kernel on the virtual cache "
+                f"(host backend); this configuration runs {kernel} on the {self.kv_cache} cache: use "
+                "kv_cache_dtype auto, or kernel ragged"
+            )
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]

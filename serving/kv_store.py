@@ -128,7 +128,7 @@ class VirtualKVStore(CacheStore):
             head_dim=shape.head_dim,
             max_slots=config.max_slots,
             max_context=max_context,
-            dtype=config.torch_dtype,
+            dtype=config.kv_torch_dtype,
             page_size=config.page_size,
             backend=config.backend,
             memory_budget=config.kv_budget,

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from serving import LLM, SamplingParams
+from serving.config import EngineConfig
 from serving.default_model import default_gguf, ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
 from serving.linear import int8_activations_fast
@@ -155,6 +156,40 @@ def test_quantized_weights_still_answer(quantization: str) -> None:
         assert "Paris" in out.text
     finally:
         small.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+def test_a_half_precision_kv_cache_halves_the_bytes_and_keeps_the_scores(llm: LLM, kv_cache_dtype: str) -> None:
+    """kv_cache_dtype float16/bfloat16 under a float32 model: half the bytes per token, and the
+    prompt's log-probabilities within rounding of the float32 cache's (KV rounded as stored)."""
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    half = LLM(**ENGINE, kv_cache_dtype=kv_cache_dtype)
+    try:
+        (narrow,) = half.generate("\n".join(PROMPTS), params, use_tqdm=False)
+        cache = half.engine.executor.kv.cache
+        assert cache.config.dtype == getattr(torch, kv_cache_dtype)
+        assert 2 * cache.config.bytes_per_token == llm.engine.executor.kv.cache.config.bytes_per_token
+    finally:
+        half.close()
+    (wide,) = llm.generate("\n".join(PROMPTS), params, use_tqdm=False)
+    pairs = list(zip(wide.prompt_logprobs or [], narrow.prompt_logprobs or [], strict=True))[1:]
+    differences = [abs(a.logprob - b.logprob) for a, b in pairs if a is not None and b is not None]
+    assert len(differences) == len(pairs) > 20
+    assert max(differences) < (0.05 if kv_cache_dtype == "float16" else 0.3)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of auto, float16, bfloat16"),
+        ({"kv_cache_dtype": "float16", "dtype": "bfloat16"}, "needs a float32 model"),
+        ({"kv_cache_dtype": "float16", "kernel": "sdpa"}, "read only by the ragged kernel"),
+        ({"kv_cache_dtype": "bfloat16", "kv_cache": "paged"}, "read only by the ragged kernel"),
+    ],
+)
+def test_a_kv_cache_dtype_nothing_can_read_is_refused(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**overrides)
 
 
 def test_stop_strings_cut_the_text(llm: LLM) -> None:

@@ -51,14 +51,15 @@ def test_cpu_kernels_in_half_precision(make_cache: MakeCache, kernel: str, dtype
 
 
 # The ragged kernel against float64 attention for head dims that take each SIMD body, over
-# lengths that end mid-block (blocks of 16 keys) and chunks whose rows end mid-block.
+# lengths that end mid-block (blocks of 16 keys) and chunks whose rows end mid-block, with
+# float32 queries on float32, float16 and bfloat16 caches.
 SIMD_CHECK = """
 import torch
 from vattn.ops import vattn_ops
 ops, generator = vattn_ops(), torch.Generator().manual_seed(0)
-for dim in (64, 40, 12):
+for dim, cache_dtype in [(d, t) for d in (64, 40, 12) for t in (torch.float32, torch.float16, torch.bfloat16)]:
     lengths, news = [1, 17, 40, 300, 33], [1, 1, 20, 1, 33]
-    k, v = (torch.randn(5, 300, 3, dim, generator=generator) for _ in range(2))
+    k, v = (torch.randn(5, 300, 3, dim, generator=generator).to(cache_dtype) for _ in range(2))
     q = torch.randn(sum(news), 9, dim, generator=generator)
     out, starts = torch.empty_like(q), torch.tensor([0, *news[:-1]]).cumsum(0)
     ops.ragged_attention(out, q, k, v, torch.arange(5), starts, torch.tensor(news), torch.tensor(lengths), dim**-0.5)
@@ -69,7 +70,8 @@ for dim in (64, 40, 12):
         seen = torch.arange(length) <= torch.arange(length - new, length)[:, None]
         expected = (scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values).transpose(0, 1)
         torch.testing.assert_close(out[rows].double(), expected, rtol=1e-5, atol=1e-5)
-    print(ops.attention_simd(dim), end=" ")
+    if cache_dtype == torch.float32:
+        print(ops.attention_simd(dim), end=" ")
 """
 WIDEST = vattn_ops().attention_simd(64)
 
@@ -80,7 +82,8 @@ def test_ragged_kernel_simd_bodies_match_float64(capability: str) -> None:
     (ATEN_CPU_CAPABILITY caps it), by head_dim's fit, and matches float64 attention."""
     if capability == "avx2" and WIDEST == "scalar":
         pytest.skip("this CPU has no AVX2")
-    env = os.environ | {"ATEN_CPU_CAPABILITY": capability}
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env |= {"ATEN_CPU_CAPABILITY": capability} if capability else {}
     result = subprocess.run([sys.executable, "-c", SIMD_CHECK], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     widest = {"": WIDEST, "avx2": "avx2", "default": "scalar"}[capability]

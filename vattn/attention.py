@@ -90,6 +90,8 @@ class AttentionKernel(ABC):
     """An attention implementation bound to one cache and one model's query head count."""
 
     name: str
+    reads_narrower_cache = False
+    """Whether float32 q/k/v may attend over a float16 or bfloat16 cache (widened as it is read)."""
 
     def __init__(self, cache: KVCache, num_query_heads: int) -> None:
         cfg = cache.config
@@ -146,11 +148,12 @@ class AttentionKernel(ABC):
             "k": (k, (batch.num_tokens, cfg.num_kv_heads, cfg.head_dim)),
             "v": (v, (batch.num_tokens, cfg.num_kv_heads, cfg.head_dim)),
         }
+        dtypes = {cfg.dtype, torch.float32} if self.reads_narrower_cache else {cfg.dtype}
         for name, (tensor, shape) in expected.items():
-            if tuple(tensor.shape) != shape or tensor.dtype != cfg.dtype or tensor.device != self.cache.device:
+            if tuple(tensor.shape) != shape or tensor.dtype not in dtypes or tensor.device != self.cache.device:
                 raise ValueError(
-                    f"{name} must be {cfg.dtype} {list(shape)} on {self.cache.device}, "
-                    f"got {tensor.dtype} {list(tensor.shape)} on {tensor.device}"
+                    f"{name} must be {' or '.join(map(str, sorted(dtypes, key=str)))} {list(shape)} on "
+                    f"{self.cache.device}, got {tensor.dtype} {list(tensor.shape)} on {tensor.device}"
                 )
         return self._forward(self._layer_kv(layer), batch, q, k, v)
 
@@ -164,15 +167,19 @@ class AttentionKernel(ABC):
 
     @staticmethod
     def _store(kv: tuple[Tensor, Tensor], batch: AttentionBatch, k: Tensor, v: Tensor) -> None:
-        """Writes the new tokens' K/V into their rows in one indexed copy per tensor."""
+        """Writes the new tokens' K/V into their rows in one indexed copy per tensor (rounded to
+        the cache's precision where it is narrower than the model's)."""
         index = (batch.token_reqids, batch.token_positions)
-        kv[0].index_put_(index, k)
-        kv[1].index_put_(index, v)
+        kv[0].index_put_(index, k.to(kv[0].dtype))
+        kv[1].index_put_(index, v.to(kv[1].dtype))
 
 
 def sdpa_request(query: Tensor, keys: Tensor, values: Tensor, length: int, scale: float) -> Tensor:
     """torch SDPA for one request: `query` [new, heads, dim] at the last `new` of `length`
-    positions over its `[length, kv_heads, dim]` keys and values; returns [new, heads, dim]."""
+    positions over its `[length, kv_heads, dim]` keys and values; returns [new, heads, dim].
+    Keys and values in a narrower precision than the query's are widened to it (a long prefill
+    chunk's, once per layer: compute-bound, unlike a decode)."""
+    keys, values = keys.to(query.dtype), values.to(query.dtype)
     new = query.shape[0]
     # Causal, aligned to the end (query j sits at position length - new + j); SDPA's own
     # is_causal aligns to the start, which agrees only when the whole context is new.

@@ -57,6 +57,7 @@ class RaggedKernel(AttentionKernel):
 
     name = "ragged"
     LONG_CHUNK = 32
+    reads_narrower_cache = True
 
     def __init__(self, cache: KVCache, num_query_heads: int) -> None:
         super().__init__(cache, num_query_heads)

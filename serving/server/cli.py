@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
-from serving.config import KV_CACHES, EngineConfig
+from serving.config import KV_CACHE_DTYPES, KV_CACHES, EngineConfig
 from serving.linear import QUANTIZATIONS
 from serving.server.settings import LOOPBACK_HOSTS, ServerSettings
 from vattn.backends import BACKENDS
@@ -131,6 +131,13 @@ def parser() -> argparse.ArgumentParser:
         help="weights: none (as --dtype), bf16, int8 (weights and activations), int8_weight_only (weights in "
         "groups of 32, float activations: the float model's answers), gguf (a GGUF file's own quantized "
         "weights); auto: gguf for a .gguf model, else none",
+    )
+    serve.add_argument(
+        "--kv-cache-dtype",
+        default=defaults.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="KV cache precision: auto (as --dtype), float16 or bfloat16 (half a float32 model's KV bytes; "
+        "the ragged kernel only)",
     )
     serve.add_argument("--max-queue", type=int, default=server.max_queue, help="requests that may wait; more get 429")
     serve.add_argument(
