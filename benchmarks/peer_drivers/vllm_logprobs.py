@@ -6,6 +6,7 @@ the text's token and vLLM's most likely token there.
 """
 
 import json
+import os
 import sys
 
 from vllm import LLM, SamplingParams
@@ -27,6 +28,9 @@ def main() -> None:
             argmax.append(next(token for token, value in entry.items() if value.rank == 1))
     with open(out_path, "w") as file:
         json.dump({"logprobs": logprobs, "argmax": argmax}, file)
+    # vLLM's engine threads can abort the interpreter's teardown (seen here: SIGABRT, "terminate
+    # called without an active exception", after a long run's results were written).
+    os._exit(0)
 
 
 if __name__ == "__main__":
