@@ -48,7 +48,6 @@ def test_fused_projections_match_the_separate_ones(quantization: str, tolerance:
     assert error < tolerance, f"{quantization}: relative error {error:.2e}"
 
 
-
 def test_float32_projections_run_on_onednn_packed_weights() -> None:
     """fp32 on the CPU: oneDNN's matmul on a weight packed once (not kept twice), the same
     product as F.linear for any row count and leading shape."""
@@ -58,6 +57,7 @@ def test_float32_projections_run_on_onednn_packed_weights() -> None:
     for shape in [(0, 96), (1, 96), (16, 96), (100, 96), (2, 3, 96)]:
         x = torch.randn(shape)
         torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
 
 @NEEDS_VNNI
 def test_int8_scales_each_row_on_its_own() -> None:
