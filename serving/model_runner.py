@@ -90,6 +90,12 @@ def decoder_layers(model: Any, quantization: str) -> list[DecoderLayer]:
                 down=fused([mlp.down_proj], quantization),
             )
         )
+        # The fused copies replace the projections: dropped layer by layer, so that loading
+        # never holds every layer's weights twice.
+        for module in (attention, mlp):
+            for name, child in list(module.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(module, name, None)
     return layers
 
 
