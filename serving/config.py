@@ -103,13 +103,23 @@ class EngineConfig:
                 f"kv_cache_dtype {self.kv_cache_dtype} needs a float32 model (dtype float32); with dtype "
                 f"{self.dtype}, use kv_cache_dtype auto"
             )
-        kernel = self.kernel if self.kernel != "auto" else "ragged" if self.backend == "host" else "sdpa"
-        if self.kv_cache != "virtual" or kernel != "ragged":
+        kernel = self.attention_kernel
+        if self.kv_cache != "virtual" or not KERNELS[kernel].reads_narrower_cache:
+            readers = ", ".join(name for name, k in KERNELS.items() if k.reads_narrower_cache)
             raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype} is read only by the ragged kernel on the virtual cache "
+                f"kv_cache_dtype {self.kv_cache_dtype} is read only by the {readers} kernel on the virtual cache "
                 f"(host backend); this configuration runs {kernel} on the {self.kv_cache} cache: use "
-                "kv_cache_dtype auto, or kernel ragged"
+                f"kv_cache_dtype auto, or kernel {readers}"
             )
+
+    @property
+    def attention_kernel(self) -> str:
+        """The kernel `kernel` names, `auto` resolved for this cache and backend."""
+        if self.kernel != "auto":
+            return self.kernel
+        if self.kv_cache == "virtual":
+            return "ragged" if self.backend == "host" else "sdpa"
+        return "paged" if self.backend == "host" else "paged_flashinfer"
 
     @property
     def torch_dtype(self) -> torch.dtype:

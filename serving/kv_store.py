@@ -134,8 +134,7 @@ class VirtualKVStore(CacheStore):
             memory_budget=config.kv_budget,
         )
         cache = KVCache(cache_config)
-        kernel = config.kernel if config.kernel != "auto" else "ragged" if config.backend == "host" else "sdpa"
-        super().__init__(cache, make_kernel(kernel, cache, shape.num_query_heads))
+        super().__init__(cache, make_kernel(config.attention_kernel, cache, shape.num_query_heads))
         self._prefix_caching = bool(config.prefix_caching)
 
     def slot_bytes(self, num_tokens: int) -> int:
@@ -177,10 +176,7 @@ class PagedKVStore(CacheStore):
             device="cuda" if config.backend == "cuda" else "cpu",
         )
         cache = PagedKVCache(cache_config)
-        kernel = (
-            config.kernel if config.kernel != "auto" else "paged" if config.backend == "host" else "paged_flashinfer"
-        )
-        super().__init__(cache, make_paged_kernel(kernel, cache, shape.num_query_heads))
+        super().__init__(cache, make_paged_kernel(config.attention_kernel, cache, shape.num_query_heads))
 
     def slot_bytes(self, num_tokens: int) -> int:
         config = self.cache.config
