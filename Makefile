@@ -46,7 +46,7 @@ $(FAKE_CUDA): tests/fake_cuda/shim.c
 # No FMA contraction either, so the rotary embedding rounds exactly as transformers' does
 # (it cost nothing measurable in the attention kernel).
 # Each source compiles on its own (~15 s each against torch's headers), two at a time in setup.
-OPS_SOURCES := native/ragged_attention.cpp native/int8_linear.cpp native/grouped_linear.cpp native/rms_norm.cpp native/rotary.cpp
+OPS_SOURCES := native/ragged_attention.cpp native/int8_linear.cpp native/grouped_linear.cpp native/paired_linear.cpp native/rms_norm.cpp native/rotary.cpp
 OPS_OBJECTS := $(patsubst native/%.cpp,build/ops/%.o,$(OPS_SOURCES))
 TORCH_DIR = $$($(PY) -c "import os, torch; print(os.path.dirname(torch.__file__))")
 

@@ -11,12 +11,15 @@
   uses torch's `_int_mm`). A quarter of fp32's weight bytes. Fast only where `_int_mm` is
   (AVX-512 VNNI); on AVX2-only CPUs it stalls.
 - `int8_weight_only`: weights as symmetric int8 in groups of 32 inputs with one float32
-  scale each (llama.cpp's Q8_0 layout), activations left in float32
-  (`vattn::grouped_linear`, which also runs a GGUF's Q8_0, Q4_0 and Q4_1 weights as
-  stored): about 0.28x fp32's weight bytes and the float model's answers (decode reads
-  weights, so it is the bytes that count). Its kernels are SIMD on AVX-512 and on AVX2,
-  chosen from the CPU's flags as torch chooses its own (`ATEN_CPU_CAPABILITY=avx2`
-  forces the AVX2 path).
+  scale each (llama.cpp's Q8_0 layout): about 0.28x fp32's weight bytes and the float
+  model's answers (decode reads weights, so it is the bytes that count). On AVX-512 VNNI
+  (`vattn::paired_linear`) activations are quantized per group of 32 to int16 (an error
+  under 1/65534 of the group's largest, well below bfloat16's rounding) and multiplied in
+  int16 with int32 sums, twice float32's multiply-adds per instruction; elsewhere
+  (`vattn::grouped_linear`, AVX-512 or AVX2 SIMD, or scalar) they stay float32. The
+  kernels are chosen from the CPU's flags as torch chooses its own
+  (`ATEN_CPU_CAPABILITY=avx2` forces the AVX2 path). Both also run a GGUF's Q8_0, Q4_0 and
+  Q4_1 weights as stored.
 - `gguf`: a GGUF file's Q8_0, Q4_0 and Q4_1 projections as the file stores them (see
   serving.gguf_weights), on the same kernels; projections of other types run dequantized.
 
@@ -46,6 +49,8 @@ PACKED_BATCH_HINT = 64
 """Rows oneDNN packs float32 weights for (any row count runs; this one picks the layout)."""
 GROUP = 32
 """Inputs per scale of `int8_weight_only` (as in a GGUF's Q8_0 blocks)."""
+TILE = 16
+"""Outputs per vector of vattn::paired_linear."""
 
 
 @functools.cache
@@ -63,6 +68,11 @@ def cpu_flags() -> frozenset[str]:
 def int8_activations_fast() -> bool:
     """Whether torch's `_int_mm` (the `int8` preset) is fast here: AVX-512 VNNI or AMX."""
     return cpu_kernels() == "avx512" and bool(cpu_flags() & {"avx512_vnni", "amx_int8"})
+
+
+def vnni_available() -> bool:
+    """Whether vattn::paired_linear (AVX-512 VNNI) runs here, torch at its AVX-512 capability."""
+    return cpu_kernels() == "avx512" and "avx512_vnni" in cpu_flags()
 
 
 def bf16_available() -> bool:
@@ -179,30 +189,98 @@ class GroupedWeight:
         mins = None if self.mins is None else self.mins[index]
         return GroupedWeight(self.bits, self.data[index], self.scales[index], mins)
 
+    def nibbles(self) -> Tensor:
+        """A 4-bit weight's values 0..15, uint8 `[out, groups, GROUP]` in input order."""
+        out, groups = self.scales.shape
+        packed = self.data.reshape(out, groups, 16)
+        return torch.cat([packed & 0x0F, packed >> 4], dim=2)
+
     def dequantize(self) -> Tensor:
         out, groups = self.scales.shape
-        if self.bits == 8:
-            q = self.data.view(torch.int8).float().reshape(out, groups, GROUP)
-        else:
-            nibbles = self.data.reshape(out, groups, 16)
-            q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2).float()
+        q = (self.data.view(torch.int8).reshape(out, groups, GROUP) if self.bits == 8 else self.nibbles()).float()
         w = q * self.scales[..., None] + (0 if self.mins is None else self.mins[..., None])
         return w.reshape(out, groups * GROUP)
 
 
+@dataclass(frozen=True)
+class PairedWeight:
+    """A GroupedWeight's bytes reordered for vattn::paired_linear (AVX-512 VNNI): for each tile
+    of TILE outputs and each group, input pair by input pair, the tile's outputs side by side
+    (8-bit: two int8 each; 4-bit: one byte each, the pair's first input in the low nibble).
+    Widened to int16, one pair is one vector of 16 outputs; scales and mins are `[tiles, groups,
+    TILE]` to match. The same bytes as the GroupedWeight, in another order."""
+
+    bits: int
+    data: Tensor
+    scales: Tensor
+    mins: Tensor | None = None
+
+    @classmethod
+    def of(cls, weight: GroupedWeight) -> PairedWeight:
+        out, groups = weight.scales.shape
+        tiles = out // TILE
+        if weight.bits == 8:
+            data = weight.data.reshape(tiles, TILE, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+        else:
+            q = weight.nibbles()
+            pairs = q[..., 0::2] | (q[..., 1::2] << 4)
+            data = pairs.reshape(tiles, TILE, groups, GROUP // 2).permute(0, 2, 3, 1)
+
+        def tiled(values: Tensor) -> Tensor:
+            return values.reshape(tiles, TILE, groups).transpose(1, 2).contiguous()
+
+        mins = None if weight.mins is None else tiled(weight.mins)
+        return cls(weight.bits, data.contiguous(), tiled(weight.scales), mins)
+
+    def rows(self, index: Tensor) -> GroupedWeight:
+        """The weight's rows `index` in GroupedWeight's layout (a tied embedding's lookup)."""
+        tiles, groups, _ = self.scales.shape
+        tile, lane = index // TILE, index % TILE
+        if self.bits == 8:
+            data = self.data.reshape(tiles, groups, GROUP // 2, TILE, 2)[tile, :, :, lane].reshape(len(index), -1)
+        else:
+            pairs = self.data.reshape(tiles, groups, GROUP // 2, TILE)[tile, :, :, lane]
+            q = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).reshape(len(index), groups, GROUP)
+            data = (q[..., :16] | (q[..., 16:] << 4)).reshape(len(index), -1)
+        mins = None if self.mins is None else self.mins[tile, :, lane]
+        return GroupedWeight(self.bits, data, self.scales[tile, :, lane], mins)
+
+    def dequantize(self) -> Tensor:
+        tiles, groups, _ = self.scales.shape
+        if self.bits == 8:
+            q = self.data.view(torch.int8).reshape(tiles, groups, GROUP // 2, TILE, 2).permute(0, 3, 1, 2, 4)
+        else:
+            pairs = self.data.reshape(tiles, groups, GROUP // 2, TILE).permute(0, 3, 1, 2)
+            q = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1)
+        q = q.reshape(tiles, TILE, groups, GROUP).float()
+        w = q * self.scales.transpose(1, 2)[..., None]
+        if self.mins is not None:
+            w = w + self.mins.transpose(1, 2)[..., None]
+        return w.reshape(tiles * TILE, groups * GROUP)
+
+
 class GroupedLinear:
-    """`x @ W.T + b` on a GroupedWeight (vattn::grouped_linear); activations stay float32."""
+    """`x @ W.T + b` on a GroupedWeight; activations arrive and leave in float32. On AVX-512
+    VNNI the weight is held paired (PairedWeight) and every call runs vattn::paired_linear;
+    elsewhere vattn::grouped_linear on the weight as given."""
 
     def __init__(
         self, weight: GroupedWeight, bias: Tensor | None, kernels: str | None = None, bf16_prompts: bool | None = None
     ) -> None:
-        self.weight = weight
+        out = weight.scales.shape[0]
+        self.kernels = kernels or ("vnni" if vnni_available() and out % TILE == 0 else cpu_kernels())
+        if self.kernels == "vnni" and not (vnni_available() and out % TILE == 0):
+            raise UnavailableError(
+                f"the vnni kernels need AVX-512 VNNI and outputs in tiles of {TILE} (here {out} outputs, CPU "
+                f"capability {torch.backends.cpu.get_cpu_capability()}): use kernels 'avx512', 'avx2' or 'scalar'"
+            )
+        self.weight: GroupedWeight | PairedWeight = PairedWeight.of(weight) if self.kernels == "vnni" else weight
         self.bias = None if bias is None else bias.detach().float()
-        self.kernels = kernels or cpu_kernels()
         self.bf16_prompts = bf16_available() if bf16_prompts is None else bf16_prompts
-        """Whether calls of many rows (prompts) multiply in bfloat16: on AVX512_BF16, ~3x float32
-        at bf16's rounding (decoding rows stay float32)."""
-        self._linear = vattn_ops().grouped_linear
+        """Whether grouped_linear's calls of many rows (prompts) multiply in bfloat16: on
+        AVX512_BF16, ~3x float32 at bf16's rounding (decoding rows stay float32)."""
+        ops = vattn_ops()
+        self._paired, self._grouped = ops.paired_linear, ops.grouped_linear
 
     @classmethod
     def quantized_int8(
@@ -218,9 +296,11 @@ class GroupedLinear:
 
     def __call__(self, x: Tensor) -> Tensor:
         w, simd = self.weight, self.kernels
-        out = self._linear(
-            x.float(), w.data, w.scales, w.mins, self.bias, w.bits, simd == "avx512", simd == "avx2", self.bf16_prompts
-        )
+        if isinstance(w, PairedWeight):
+            out = self._paired(x.float(), w.data, w.scales, w.mins, self.bias, w.bits)
+        else:
+            avx512, avx2 = simd == "avx512", simd == "avx2"
+            out = self._grouped(x.float(), w.data, w.scales, w.mins, self.bias, w.bits, avx512, avx2, self.bf16_prompts)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 

@@ -19,7 +19,7 @@ from torch import Tensor
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from serving.linear import GroupedWeight, Linear, fused
+from serving.linear import GroupedLinear, GroupedWeight, Linear, PairedWeight, fused
 from serving.model_loader import ModelShape
 from vattn.ops import vattn_ops
 
@@ -102,7 +102,7 @@ def decoder_layers(model: Any, quantization: str) -> list[DecoderLayer]:
 class QuantizedEmbedding:
     """An embedding table kept quantized (a GGUF's), each looked-up row dequantized."""
 
-    def __init__(self, table: GroupedWeight, dtype: torch.dtype) -> None:
+    def __init__(self, table: GroupedWeight | PairedWeight, dtype: torch.dtype) -> None:
         self.table, self.dtype = table, dtype
 
     def __call__(self, ids: Tensor) -> Tensor:
@@ -128,7 +128,10 @@ class ModelRunner:
         self._embed = body.embed_tokens
         stored = getattr(body.embed_tokens, "grouped_weight", None) if quantization == "gguf" else None
         if stored is not None:  # the GGUF's own table, rows dequantized as looked up: no float copy kept
-            self._embed = QuantizedEmbedding(stored, body.embed_tokens.weight.dtype)
+            head = self._lm_head
+            tied = isinstance(head, GroupedLinear) and getattr(model.lm_head, "grouped_weight", None) is stored
+            # A tied head's weight may be held paired (PairedWeight): the table reads its rows there.
+            self._embed = QuantizedEmbedding(head.weight if tied else stored, body.embed_tokens.weight.dtype)
             body.embed_tokens = None
         body.layers = torch.nn.ModuleList()  # the fused copies replace them
         self._attend = attend

@@ -14,17 +14,20 @@ from serving.linear import (
     QUANTIZATIONS,
     GroupedLinear,
     GroupedWeight,
+    PairedWeight,
     bf16_available,
     cpu_kernels,
     fused,
     int8_activations_fast,
     make_linear,
+    vnni_available,
 )
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
 
 KERNELS = {"avx512": ("scalar", "avx2", "avx512"), "avx2": ("scalar", "avx2"), "scalar": ("scalar",)}[cpu_kernels()]
-"""The weight-only kernel's SIMD paths this CPU can run (every one is compiled into every build)."""
+"""grouped_linear's SIMD paths this CPU can run (every one is compiled into every build)."""
+NEEDS_PAIRED = pytest.mark.skipif(not vnni_available(), reason="paired_linear needs AVX-512 VNNI")
 NEEDS_VNNI = pytest.mark.skipif(not int8_activations_fast(), reason="the int8 preset needs AVX-512 VNNI")
 
 
@@ -126,6 +129,56 @@ def test_grouped_weights_compute_the_dequantized_product_on_every_path(kernels: 
     got = linear(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 300)
     assert torch.allclose(got.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", ["8", "4"])
+def test_paired_weights_are_the_grouped_bytes_reordered(bits: str) -> None:
+    """PairedWeight holds the same values (and a tied embedding reads its rows there)."""
+    torch.manual_seed(1)
+    outputs, inputs = 48, 3 * GROUP
+    grouped = GroupedWeight.quantize_int8(torch.randn(outputs, inputs)) if bits == "8" else _four_bit(48, inputs, True)
+    paired = PairedWeight.of(grouped)
+    assert paired.data.numel() == grouped.data.numel() and paired.scales.shape == (3, 3, 16)
+    assert torch.equal(paired.dequantize(), grouped.dequantize())
+    index = torch.tensor([47, 0, 17, 17, 30])
+    looked_up = paired.rows(index)
+    assert torch.equal(looked_up.data, grouped.rows(index).data)
+    assert torch.equal(looked_up.dequantize(), grouped.dequantize()[index])
+
+
+@NEEDS_PAIRED
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 64, 130])
+@pytest.mark.parametrize("bits", ["8", "4 with mins", "4 with -8 * scale"])
+def test_paired_kernel_errs_by_at_most_int16_rounding_of_each_group(rows: int, bits: str) -> None:
+    """paired_linear quantizes each row's groups of 32 activations to int16 (the largest
+    magnitude to 32767): each output is within sum_k |w[n, k]| * step[r, k] / 2 of the exact
+    product (plus float32 sums), on 19 tiles of 16 outputs (pairs of tiles and an odd one)."""
+    torch.manual_seed(rows)
+    outputs, inputs = 19 * 16, 6 * GROUP
+    bias = torch.randn(outputs)
+    if bits == "8":
+        linear = GroupedLinear.quantized_int8(torch.randn(outputs, inputs), bias, "vnni")
+    else:
+        weight = _four_bit(outputs, inputs, with_mins=bits == "4 with mins")
+        linear = GroupedLinear(weight, bias, "vnni")
+    assert isinstance(linear.weight, PairedWeight)
+    x = torch.randn(rows, inputs) * torch.logspace(-3, 1, inputs)  # groups of very different ranges
+    x[0, :GROUP] = 0  # an all-zero group
+    w = linear.weight.dequantize().double()
+    expected = x.double() @ w.T + bias.double()
+    step = x.abs().reshape(rows, -1, GROUP).amax(dim=2).double().repeat_interleave(GROUP, dim=1) / 32767
+    bound = step / 2 @ w.abs().T + 1e-6 * (x.double().abs() @ w.abs().T + 1)
+    got = linear(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, outputs)
+    assert ((got.double() - expected).abs() <= bound).all()
+    assert (got.double() - expected).abs().max() > 0  # it does quantize: not float32 arithmetic
+
+
+@NEEDS_PAIRED
+def test_paired_kernel_refuses_outputs_that_do_not_fill_tiles() -> None:
+    with pytest.raises(UnavailableError, match="tiles of 16"):
+        GroupedLinear.quantized_int8(torch.randn(300, GROUP), None, "vnni")
+    assert GroupedLinear.quantized_int8(torch.randn(300, GROUP), None).kernels == "avx512"  # chosen: the one that runs
 
 
 @pytest.mark.skipif(not bf16_available(), reason="bfloat16 prompts need AVX512_BF16")
