@@ -34,8 +34,9 @@ def test_cpu_kernels_match_reference_through_chunked_prefill_and_decode(
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
 def test_cpu_kernels_at_long_contexts_with_few_requests(make_cache: MakeCache, kernel: str) -> None:
     """Fewer work items than threads: the ragged kernel splits each one's keys into chunks
-    and merges them, for decodes and for a multi-row chunk whose rows end mid-context."""
-    long_context = [{"a": 300, "b": 20}, {"a": 20, "b": 1}, {"a": 1, "b": 1}, {"a": 1}]
+    and merges them, for decodes and for a multi-row chunk whose rows end mid-context (and
+    a chunk over LONG_CHUNK tokens goes to SDPA)."""
+    long_context = [{"a": 600, "b": 20}, {"a": 20, "b": 1}, {"a": 1, "b": 1}, {"a": 1}]
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     try:

@@ -28,7 +28,7 @@ def test_paged_kernels_match_reference_through_chunked_prefill_and_decode(kernel
 
 @pytest.mark.parametrize("kernel", CPU_PAGED_KERNELS)
 def test_paged_kernels_at_long_contexts_with_few_requests(kernel: str) -> None:
-    long_context = [{"a": 300, "b": 20}, {"a": 20, "b": 1}, {"a": 1, "b": 1}, {"a": 1}]
+    long_context = [{"a": 600, "b": 20}, {"a": 20, "b": 1}, {"a": 1, "b": 1}, {"a": 1}]
     threads = torch.get_num_threads()
     torch.set_num_threads(4)  # fewer work items than threads: the native kernel splits keys
     try:
