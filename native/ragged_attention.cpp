@@ -177,6 +177,16 @@ struct Avx2Math {
       out[j] = sum(total);
     }
   }
+  __attribute__((target("avx2,fma"))) static float top(const float* s, int64_t count) {
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(s + j));
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(best), _mm256_extractf128_ps(best, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    float result = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+    for (; j < count; ++j) result = std::max(result, s[j]);
+    return result;
+  }
   __attribute__((target("avx2,fma"))) static float exp_sum(float* s, int64_t count, float top) {
     const __m256 shift = _mm256_set1_ps(top);
     const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -290,8 +300,154 @@ struct Avx512Math {
       _mm512_storeu_ps(acc + d, a);
     }
   }
+  __attribute__((target("avx512f,avx2,fma"))) static float top(const float* s, int64_t count) {
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < count; j += 16) {
+      const __mmask16 live = count - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j)) - 1);
+      best = _mm512_mask_max_ps(best, live, best, _mm512_maskz_loadu_ps(live, s + j));
+    }
+    return _mm512_reduce_max_ps(best);
+  }
+  // Many lanes at once, where prefill chunks have them (a tile's rows x a kv head's query
+  // heads). Scores: the block's 16 keys transposed once (16 x 16 in registers), then each
+  // lane's 16 scores are one vector, d by d, with no horizontal sums; L lanes share each load
+  // of a transposed row. Values: L lanes share each load of a value row.
+  static constexpr int64_t kMaxDim = 512;  // the transposed block's buffer; larger dims go lane by lane
+  __attribute__((target("avx512f,avx2,fma"))) static void transpose16(const float* const* keys, int64_t n, int64_t d,
+                                                                     float* kt) {
+    __m512 r[16], t[16], u[16];
+    for (int64_t j = 0; j < 16; ++j) r[j] = j < n ? _mm512_loadu_ps(keys[j] + d) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    // u[4 q + c]: rows 4 q .. 4 q + 3 of columns c, c + 4, c + 8, c + 12 (one per 128-bit lane).
+    for (int64_t q = 0; q < 4; ++q) {
+      const __m512d lo01 = _mm512_castps_pd(t[4 * q]), hi01 = _mm512_castps_pd(t[4 * q + 1]);
+      const __m512d lo23 = _mm512_castps_pd(t[4 * q + 2]), hi23 = _mm512_castps_pd(t[4 * q + 3]);
+      u[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo01, lo23));
+      u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo01, lo23));
+      u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi01, hi23));
+      u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi01, hi23));
+    }
+    for (int64_t c = 0; c < 4; ++c) {
+      // v[h][s]: quads 2 h and 2 h + 1 of columns c + 4 s and c + 4 s + 8.
+      __m512 v[2][2];
+      for (int64_t h = 0; h < 2; ++h) {
+        v[h][0] = _mm512_shuffle_f32x4(u[8 * h + c], u[8 * h + 4 + c], 0x88);
+        v[h][1] = _mm512_shuffle_f32x4(u[8 * h + c], u[8 * h + 4 + c], 0xDD);
+      }
+      for (int64_t s = 0; s < 2; ++s) {
+        _mm512_storeu_ps(kt + (c + 4 * s) * 16, _mm512_shuffle_f32x4(v[0][s], v[1][s], 0x88));
+        _mm512_storeu_ps(kt + (c + 4 * s + 8) * 16, _mm512_shuffle_f32x4(v[0][s], v[1][s], 0xDD));
+      }
+    }
+  }
+  template <int64_t L>
+  __attribute__((target("avx512f,avx2,fma"))) static void dots_transposed(const float* const* q, float* const* out,
+                                                                         const float* kt, __mmask16 live, int64_t dim) {
+    __m512 sums[L];
+    for (int64_t l = 0; l < L; ++l) sums[l] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+      const __m512 k = _mm512_loadu_ps(kt + d * 16);
+      for (int64_t l = 0; l < L; ++l) sums[l] = _mm512_fmadd_ps(_mm512_set1_ps(q[l][d]), k, sums[l]);
+    }
+    for (int64_t l = 0; l < L; ++l) _mm512_mask_storeu_ps(out[l], live, sums[l]);
+  }
+  template <int64_t L>
+  static void dots_transposed_left(const float* const* q, float* const* out, int64_t count, const float* kt,
+                                   __mmask16 live, int64_t dim) {
+    if constexpr (L > 0) {
+      if (count == L) return dots_transposed<L>(q, out, kt, live, dim);
+      dots_transposed_left<L - 1>(q, out, count, kt, live, dim);
+    }
+  }
+  static void dots_lanes(const float* const* q, float* const* out, int64_t count, const float* const* keys, int64_t n,
+                         int64_t dim) {
+    constexpr int64_t kLanes = 8;
+    if (count < kLanes || dim > kMaxDim) {
+      for (int64_t l = 0; l < count; ++l) dots(q[l], keys, n, dim, out[l]);
+      return;
+    }
+    alignas(64) float kt[kMaxDim * 16];
+    for (int64_t d = 0; d < dim; d += 16) transpose16(keys, n, d, kt + d * 16);
+    const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    int64_t l = 0;
+    for (; l + kLanes <= count; l += kLanes) dots_transposed<kLanes>(q + l, out + l, kt, live, dim);
+    dots_transposed_left<kLanes - 1>(q + l, out + l, count - l, kt, live, dim);
+  }
+  template <int64_t L, int64_t V>
+  __attribute__((target("avx512f,avx2,fma"))) static void accumulate_block(float* const* acc, const float* const* p,
+                                                                          const float* const* values, int64_t n,
+                                                                          int64_t d) {
+    __m512 a[L][V];
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t v = 0; v < V; ++v) a[l][v] = _mm512_loadu_ps(acc[l] + d + 16 * v);
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 row[V];
+      for (int64_t v = 0; v < V; ++v) row[v] = _mm512_loadu_ps(values[j] + d + 16 * v);
+      for (int64_t l = 0; l < L; ++l) {
+        const __m512 pj = _mm512_set1_ps(p[l][j]);
+        for (int64_t v = 0; v < V; ++v) a[l][v] = _mm512_fmadd_ps(pj, row[v], a[l][v]);
+      }
+    }
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc[l] + d + 16 * v, a[l][v]);
+  }
+  template <int64_t L>
+  static void accumulate_lanes_of(float* const* acc, const float* const* p, const float* const* values, int64_t n,
+                                  int64_t dim) {
+    int64_t d = 0;
+    for (; d + 64 <= dim; d += 64) accumulate_block<L, 4>(acc, p, values, n, d);
+    switch ((dim - d) / 16) {
+      case 3: return accumulate_block<L, 3>(acc, p, values, n, d);
+      case 2: return accumulate_block<L, 2>(acc, p, values, n, d);
+      case 1: return accumulate_block<L, 1>(acc, p, values, n, d);
+      default: return;
+    }
+  }
+  static void accumulate_lanes(float* const* acc, const float* const* p, int64_t count, const float* const* values,
+                               int64_t n, int64_t dim) {
+    int64_t l = 0;
+    for (; l + 4 <= count; l += 4) accumulate_lanes_of<4>(acc + l, p + l, values, n, dim);
+    switch (count - l) {
+      case 3: return accumulate_lanes_of<3>(acc + l, p + l, values, n, dim);
+      case 2: return accumulate_lanes_of<2>(acc + l, p + l, values, n, dim);
+      case 1: return accumulate_lanes_of<1>(acc + l, p + l, values, n, dim);
+      default: return;
+    }
+  }
 };
 #endif
+
+// The largest of a lane's `count` scores (-inf for none): the body's SIMD version where it has one.
+template <typename Math>
+float top(const float* s, int64_t count) {
+  if constexpr (requires { Math::top(s, count); })
+    return Math::top(s, count);
+  else
+    return count ? *std::max_element(s, s + count) : -INFINITY;
+}
+
+// A block's scores (or value sums) for `count` lanes: the body's many-lane version where it
+// has one, else lane by lane.
+template <typename Math>
+void dots_lanes(const float* const* q, float* const* out, int64_t count, const float* const* keys, int64_t n,
+                int64_t dim) {
+  if constexpr (requires { Math::dots_lanes(q, out, count, keys, n, dim); })
+    Math::dots_lanes(q, out, count, keys, n, dim);
+  else
+    for (int64_t l = 0; l < count; ++l) Math::dots(q[l], keys, n, dim, out[l]);
+}
+
+template <typename Math>
+void accumulate_lanes(float* const* acc, const float* const* p, int64_t count, const float* const* values, int64_t n,
+                      int64_t dim) {
+  if constexpr (requires { Math::accumulate_lanes(acc, p, count, values, n, dim); })
+    Math::accumulate_lanes(acc, p, count, values, n, dim);
+  else
+    for (int64_t l = 0; l < count; ++l) Math::accumulate(acc[l], p[l], values, n, dim);
+}
 
 template <typename Math, typename QT, typename KT, typename Rows>
 void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, const Rows& value_rows, int64_t kv_heads,
@@ -339,6 +495,8 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
     std::vector<float> scores, queries, acc, tops, totals, converted(kBlock * dim);
     std::vector<const float*> pointers(kBlock);
     std::vector<const KT*> sources(kBlock);
+    std::vector<const float*> lane_queries(kTileRows * heads);
+    std::vector<float*> lane_scores(kTileRows * heads), lane_sums(kTileRows * heads);
     for (int64_t it = begin; it < end; ++it) {
       const Item item = items[it];
       const int64_t b = item.request, length = lengths[b];
@@ -369,14 +527,24 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
           return pointers.data();
         }
       };
-      // Scores for every key a row might see (keys past a row's own last one are never used).
+      // The lanes of kv head `kv` whose rows see key jb: their queries, scores (from jb) and sums.
+      auto lanes_from = [&](int64_t jb, int64_t kv) {
+        int64_t count = 0;
+        for (int64_t r = first_row(jb); r < item.rows; ++r)
+          for (int64_t lane = r * heads + kv * group; lane < r * heads + (kv + 1) * group; ++lane, ++count) {
+            lane_queries[count] = queries.data() + lane * dim;
+            lane_scores[count] = scores.data() + lane * keys + jb;
+            lane_sums[count] = acc.data() + lane * dim;
+          }
+        return count;
+      };
+      // Scores for every key a row might see (keys past a row's own last one get weight 0 below).
       for (int64_t jb = 0; jb < keys; jb += kBlock) {
         const int64_t n = std::min(kBlock, keys - jb);
         for (int64_t kv = 0; kv < kv_heads; ++kv) {
           const float* const* key_block = block_rows(key_rows, kv, jb, n);
-          for (int64_t r = first_row(jb); r < item.rows; ++r)
-            for (int64_t lane = r * heads + kv * group; lane < r * heads + (kv + 1) * group; ++lane)
-              Math::dots(queries.data() + lane * dim, key_block, n, dim, scores.data() + lane * keys + jb);
+          const int64_t count = lanes_from(jb, kv);
+          dots_lanes<Math>(lane_queries.data(), lane_scores.data(), count, key_block, n, dim);
         }
       }
       tops.resize(lanes);
@@ -384,18 +552,16 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       for (int64_t lane = 0; lane < lanes; ++lane) {
         const int64_t count = seen(lane / heads);
         float* s = scores.data() + lane * keys;
-        tops[lane] = count ? *std::max_element(s, s + count) : -INFINITY;
+        tops[lane] = top<Math>(s, count);
         totals[lane] = Math::exp_sum(s, count, tops[lane]);
+        std::fill(s + count, s + keys, 0.0f);  // keys past the row's own: weight 0 in every block
       }
       for (int64_t jb = 0; jb < keys; jb += kBlock) {
         const int64_t n = std::min(kBlock, keys - jb);
         for (int64_t kv = 0; kv < kv_heads; ++kv) {
           const float* const* value_block = block_rows(value_rows, kv, jb, n);
-          for (int64_t r = first_row(jb); r < item.rows; ++r) {
-            const int64_t used = std::min(n, seen(r) - jb);
-            for (int64_t lane = r * heads + kv * group; lane < r * heads + (kv + 1) * group; ++lane)
-              Math::accumulate(acc.data() + lane * dim, scores.data() + lane * keys + jb, value_block, used, dim);
-          }
+          const int64_t count = lanes_from(jb, kv);
+          accumulate_lanes<Math>(lane_sums.data(), lane_scores.data(), count, value_block, n, dim);
         }
       }
       if (item.partial >= 0) {

@@ -203,9 +203,3 @@ def sdpa_request(query: Tensor, keys: Tensor, values: Tensor, length: int, scale
         enable_gqa=query.shape[1] != keys.shape[1],
     )
     return attended.squeeze(0).transpose(0, 1)
-
-
-def split_long_chunks(new_tokens: Sequence[int], long_chunk: int) -> tuple[list[int], tuple[int, ...]]:
-    """Indexes of the requests with at most `long_chunk` new tokens, and of the others."""
-    short = [i for i, new in enumerate(new_tokens) if new <= long_chunk]
-    return short, tuple(i for i, new in enumerate(new_tokens) if new > long_chunk)

@@ -6,9 +6,9 @@ attention output. What differs is what a kernel must do to find a request's KV:
 
 - `paged` (CPU): vattn's ragged kernel reading rows through the block table
   (`torch.ops.vattn.paged_attention`, the same code as the virtual cache's `ragged` with
-  only the row address changed), with chunks over `LONG_CHUNK` tokens gathered for SDPA,
-  as `ragged` sends them to SDPA. The fastest paged path here: paper_repro's decode
-  experiment measures it against the two below.
+  only the row address changed), decodes and prefill chunks in one call per layer. The
+  fastest paged path here: paper_repro's decode experiment measures it against the two
+  below.
 - `paged_gather` (CPU or GPU): copies each request's blocks into one contiguous tensor
   and runs torch SDPA on it; the simplest correct paged path.
 - `paged_blockwise` (CPU or GPU): decodes attended block by block with an online-softmax
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vattn.attention import AttentionKernel, iteration_rows, sdpa_request, split_long_chunks
+from vattn.attention import AttentionKernel, iteration_rows, sdpa_request
 from vattn.errors import UnavailableError
 from vattn.gpu_kernels import (
     FlashInferPlans,
@@ -40,7 +40,6 @@ from vattn.gpu_kernels import (
     require_gpu,
     require_half_precision,
 )
-from vattn.kernels import RaggedKernel
 from vattn.ops import vattn_ops
 from vattn.paged.paged_cache import PagedKVCache
 
@@ -185,19 +184,8 @@ class PagedBlockwiseKernel(PagedKernel):
         return (acc / total[..., None]).view(count, heads, dim).to(q.dtype)
 
 
-@dataclass(frozen=True)
-class PagedPlan:
-    """The native kernel's split of an iteration (as `RaggedPlan`): short requests' int64
-    vectors (first query rows, new tokens, lengths) and block table rows, long chunks' indexes."""
-
-    short: tuple[Tensor, Tensor, Tensor, Tensor] | None
-    long: tuple[int, ...]
-
-
 class PagedNativeKernel(PagedKernel):
     name = "paged"
-    LONG_CHUNK = RaggedKernel.LONG_CHUNK
-    """As the ragged kernel's: longer chunks are compute-bound and go to torch's flash SDPA."""
 
     def __init__(self, cache: PagedKVCache, num_query_heads: int) -> None:
         super().__init__(cache, num_query_heads)
@@ -206,25 +194,15 @@ class PagedNativeKernel(PagedKernel):
         self._attend = vattn_ops().paged_attention
 
     def _planned(self, batch: PagedBatch) -> PagedBatch:
-        short, long = split_long_chunks(batch.new_tokens, self.LONG_CHUNK)
-        vectors = None
-        if short:
-            columns = (batch.starts, batch.new_tokens, batch.lengths)
-            vectors = (
-                batch.host_block_table[short].contiguous(),
-                *(torch.tensor([column[i] for i in short], dtype=torch.int64) for column in columns),
-            )
-        return replace(batch, wrapper=PagedPlan(vectors, long))  # type: ignore[arg-type]
+        """As the ragged kernel's vectors, with the requests' block table rows for reqids."""
+        columns = (batch.starts[:-1], batch.new_tokens, batch.lengths)
+        vectors = tuple(torch.tensor(column, dtype=torch.int64) for column in columns)
+        return replace(batch, wrapper=(batch.host_block_table.contiguous(), *vectors))
 
     def _forward(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self._store(blocks, batch, k, v)
-        plan: PagedPlan = batch.wrapper
         out = torch.empty_like(q)
-        if plan.short is not None:
-            self._attend(out, q, *blocks, *plan.short, self.scale)
-        for i in plan.long:
-            rows = slice(batch.starts[i], batch.starts[i + 1])
-            out[rows] = self._gathered_sdpa(blocks, batch, i, q[rows])
+        self._attend(out, q, *blocks, *batch.wrapper, self.scale)
         return out
 
 
