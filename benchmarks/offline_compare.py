@@ -23,7 +23,6 @@ import argparse
 import json
 import multiprocessing
 import resource
-import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
@@ -36,7 +35,7 @@ import matplotlib
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from measure.peers import PEERS, dist_version, missing
+from measure.peers import PEERS, dist_version, missing, run_driver
 from measure.results import (
     REPO_ROOT,
     RESULTS_DIR,
@@ -104,7 +103,7 @@ def openvino_round(system: System, prompts_file: Path, max_tokens: int, threads:
         command += [str(out), "--threads", str(threads), "--max-tokens", str(max_tokens)]
         command += ["--inference-precision", "f32"]
         command += ["--kv-precision", system.kv_precision] if system.kv_precision else []
-        subprocess.run(command, check=True, capture_output=True, text=True)
+        run_driver(command)
         return json.loads(out.read_text())
 
 

@@ -40,7 +40,7 @@ import matplotlib.pyplot as plt
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from measure.peers import PEERS, dist_version, missing, vllm_env
+from measure.peers import PEERS, dist_version, missing, run_driver, vllm_env
 from measure.results import REPO_ROOT, RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
 from measure.workloads import CONFIGS, engine_options
 from serving import LLM, SamplingParams
@@ -101,7 +101,7 @@ def vllm_predictions(chunks: list[list[int]]) -> tuple[list[float], list[int]]:
         windows_file.write_text(json.dumps(chunks))
         command = [str(venv / "bin" / "python"), str(VLLM_DRIVER), str(ensure_default_model())]
         command += [str(windows_file), str(out), str(scored_positions().start)]
-        subprocess.run(command, check=True, env=os.environ | vllm_env(venv))
+        run_driver(command, env=os.environ | vllm_env(venv))
         found = json.loads(out.read_text())
     return found["logprobs"], found["argmax"]
 

@@ -1,8 +1,13 @@
 """The peer systems' venvs under .peers/ (`make peers`): where they are, what is installed in
-them, and how vLLM's CPU build is run (its environment), for every benchmark that runs one."""
+them, how vLLM's CPU build is run (its environment), and how a driver script runs inside one,
+for every benchmark that runs a peer."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+from contextlib import suppress
 from pathlib import Path
 
 from measure.results import REPO_ROOT
@@ -31,3 +36,17 @@ def vllm_env(venv: Path) -> dict[str, str]:
     if preload:
         env["LD_PRELOAD"] = ":".join(map(str, preload))
     return env
+
+
+def run_driver(command: list[str], env: dict[str, str] | None = None) -> None:
+    """Runs a peer's driver script in a session of its own, then kills what is left of that
+    session: vLLM's engine processes outlive a driver that leaves with os._exit (found still
+    resident, 4 GiB and a spinning worker, under the next benchmark's systems)."""
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        process.wait()
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    if process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, command)
