@@ -282,24 +282,6 @@ struct Avx512Math {
     }
     return _mm512_reduce_add_ps(total);
   }
-  __attribute__((target("avx512f,avx2,fma"))) static void accumulate(float* acc, const float* p, const float* const* values,
-                                                            int64_t n, int64_t dim) {
-    int64_t d = 0;
-    for (; d + 64 <= dim; d += 64) {
-      __m512 a[4];
-      for (int i = 0; i < 4; ++i) a[i] = _mm512_loadu_ps(acc + d + 16 * i);
-      for (int64_t j = 0; j < n; ++j) {
-        const __m512 pj = _mm512_set1_ps(p[j]);
-        for (int i = 0; i < 4; ++i) a[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(values[j] + d + 16 * i), a[i]);
-      }
-      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + d + 16 * i, a[i]);
-    }
-    for (; d < dim; d += 16) {
-      __m512 a = _mm512_loadu_ps(acc + d);
-      for (int64_t j = 0; j < n; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(values[j] + d), a);
-      _mm512_storeu_ps(acc + d, a);
-    }
-  }
   __attribute__((target("avx512f,avx2,fma"))) static float top(const float* s, int64_t count) {
     __m512 best = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < count; j += 16) {

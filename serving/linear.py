@@ -268,8 +268,9 @@ class GroupedLinear:
         self, weight: GroupedWeight, bias: Tensor | None, kernels: str | None = None, bf16_prompts: bool | None = None
     ) -> None:
         out = weight.scales.shape[0]
-        self.kernels = kernels or ("vnni" if vnni_available() and out % TILE == 0 else cpu_kernels())
-        if self.kernels == "vnni" and not (vnni_available() and out % TILE == 0):
+        pairable = vnni_available() and out % TILE == 0
+        self.kernels = kernels or ("vnni" if pairable else cpu_kernels())
+        if self.kernels == "vnni" and not pairable:
             raise UnavailableError(
                 f"the vnni kernels need AVX-512 VNNI and outputs in tiles of {TILE} (here {out} outputs, CPU "
                 f"capability {torch.backends.cpu.get_cpu_capability()}): use kernels 'avx512', 'avx2' or 'scalar'"
