@@ -22,9 +22,10 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
-// GCC 12 warns that _mm512_cvtepi8_epi32's internal _mm512_undefined_epi32() "may be used
-// uninitialized" (a false positive: the mask selects every lane).
+// GCC 12 warns that the AVX-512 intrinsics' internal _mm512_undefined_*() "is" or "may be" used
+// uninitialized (a false positive: the mask selects every lane).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 namespace {
