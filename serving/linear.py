@@ -12,14 +12,14 @@
   (AVX-512 VNNI); on AVX2-only CPUs it stalls.
 - `int8_weight_only`: weights as symmetric int8 in groups of 32 inputs with one float32
   scale each (llama.cpp's Q8_0 layout): about 0.28x fp32's weight bytes and the float
-  model's answers (decode reads weights, so it is the bytes that count). On AVX-512 VNNI
-  (`vattn::paired_linear`) activations are quantized per group of 32 to int16 (an error
-  under 1/65534 of the group's largest, well below bfloat16's rounding) and multiplied in
-  int16 with int32 sums, twice float32's multiply-adds per instruction; elsewhere
-  (`vattn::grouped_linear`, AVX-512 or AVX2 SIMD, or scalar) they stay float32. The
-  kernels are chosen from the CPU's flags as torch chooses its own
-  (`ATEN_CPU_CAPABILITY=avx2` forces the AVX2 path). Both also run a GGUF's Q8_0, Q4_0 and
-  Q4_1 weights as stored.
+  model's answers (decode reads weights, so it is the bytes that count). On AVX2 and
+  AVX-512 (`vattn::paired_linear`) activations are quantized per group of 32 to int16 (an
+  error under 1/65534 of the group's largest, well below bfloat16's rounding) and multiplied
+  in int16 with int32 sums: on VNNI twice float32's multiply-adds per instruction, on AVX2
+  float32's rate without widening each weight to float. Where outputs do not fill tiles of
+  16, or on CPUs without AVX2, `vattn::grouped_linear` multiplies in float32. The kernels
+  are chosen from the CPU's flags as torch chooses its own (`ATEN_CPU_CAPABILITY=avx2`
+  forces the AVX2 paths). Both also run a GGUF's Q8_0, Q4_0 and Q4_1 weights as stored.
 - `gguf`: a GGUF file's Q8_0, Q4_0 and Q4_1 projections as the file stores them (see
   serving.gguf_weights), on the same kernels; projections of other types run dequantized.
 
@@ -71,8 +71,15 @@ def int8_activations_fast() -> bool:
 
 
 def vnni_available() -> bool:
-    """Whether vattn::paired_linear (AVX-512 VNNI) runs here, torch at its AVX-512 capability."""
+    """Whether AVX-512 VNNI bodies run here (the CPU has VNNI, torch at its AVX-512 capability)."""
     return cpu_kernels() == "avx512" and "avx512_vnni" in cpu_flags()
+
+
+def paired_kernels() -> str | None:
+    """vattn::paired_linear's body for this CPU: `int16_vnni` on AVX-512 VNNI, `int16_avx2` on
+    other AVX2 or AVX-512 CPUs (there it is 1.4-3.7x grouped_linear's AVX2 body and at least
+    its AVX-512 one), None on older ones."""
+    return "int16_vnni" if vnni_available() else None if cpu_kernels() == "scalar" else "int16_avx2"
 
 
 def bf16_available() -> bool:
@@ -204,7 +211,7 @@ class GroupedWeight:
 
 @dataclass(frozen=True)
 class PairedWeight:
-    """A GroupedWeight's bytes reordered for vattn::paired_linear (AVX-512 VNNI): for each tile
+    """A GroupedWeight's bytes reordered for vattn::paired_linear: for each tile
     of TILE outputs and each group, input pair by input pair, the tile's outputs side by side
     (8-bit: two int8 each; 4-bit: one byte each, the pair's first input in the low nibble).
     Widened to int16, one pair is one vector of 16 outputs; scales and mins are `[tiles, groups,
@@ -259,23 +266,32 @@ class PairedWeight:
         return w.reshape(tiles * TILE, groups * GROUP)
 
 
+PAIRED_KERNELS = ("int16_vnni", "int16_avx2")
+"""vattn::paired_linear's bodies (grouped_linear's: `avx512`, `avx2`, `scalar`)."""
+
+
 class GroupedLinear:
-    """`x @ W.T + b` on a GroupedWeight; activations arrive and leave in float32. On AVX-512
-    VNNI the weight is held paired (PairedWeight) and every call runs vattn::paired_linear;
-    elsewhere vattn::grouped_linear on the weight as given."""
+    """`x @ W.T + b` on a GroupedWeight; activations arrive and leave in float32. Where
+    paired_kernels() names a body (AVX-512 VNNI, AVX2) and the outputs fill tiles of TILE, the
+    weight is held paired (PairedWeight) and every call runs vattn::paired_linear; elsewhere
+    vattn::grouped_linear (`avx512`, `avx2` or `scalar`) on the weight as given."""
 
     def __init__(
         self, weight: GroupedWeight, bias: Tensor | None, kernels: str | None = None, bf16_prompts: bool | None = None
     ) -> None:
         out = weight.scales.shape[0]
-        pairable = vnni_available() and out % TILE == 0
-        self.kernels = kernels or ("vnni" if pairable else cpu_kernels())
-        if self.kernels == "vnni" and not pairable:
+        paired = paired_kernels()
+        self.kernels = kernels or (paired if paired and out % TILE == 0 else cpu_kernels())
+        runs = paired == "int16_vnni" if self.kernels == "int16_vnni" else paired is not None
+        if self.kernels in PAIRED_KERNELS and (out % TILE or not runs):
             raise UnavailableError(
-                f"the vnni kernels need AVX-512 VNNI and outputs in tiles of {TILE} (here {out} outputs, CPU "
-                f"capability {torch.backends.cpu.get_cpu_capability()}): use kernels 'avx512', 'avx2' or 'scalar'"
+                f"the {self.kernels} kernels need outputs in tiles of {TILE} and "
+                f"{'AVX-512 VNNI' if self.kernels == 'int16_vnni' else 'AVX2'} (here {out} outputs, CPU capability "
+                f"{torch.backends.cpu.get_cpu_capability()}): use kernels 'avx512', 'avx2' or 'scalar'"
             )
-        self.weight: GroupedWeight | PairedWeight = PairedWeight.of(weight) if self.kernels == "vnni" else weight
+        self.weight: GroupedWeight | PairedWeight = (
+            PairedWeight.of(weight) if self.kernels in PAIRED_KERNELS else weight
+        )
         self.bias = None if bias is None else bias.detach().float()
         self.bf16_prompts = bf16_available() if bf16_prompts is None else bf16_prompts
         """Whether grouped_linear's calls of many rows (prompts) multiply in bfloat16: on
@@ -298,7 +314,7 @@ class GroupedLinear:
     def __call__(self, x: Tensor) -> Tensor:
         w, simd = self.weight, self.kernels
         if isinstance(w, PairedWeight):
-            out = self._paired(x.float(), w.data, w.scales, w.mins, self.bias, w.bits)
+            out = self._paired(x.float(), w.data, w.scales, w.mins, self.bias, w.bits, simd == "int16_vnni")
         else:
             avx512, avx2 = simd == "avx512", simd == "avx2"
             out = self._grouped(x.float(), w.data, w.scales, w.mins, self.bias, w.bits, avx512, avx2, self.bf16_prompts)

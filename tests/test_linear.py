@@ -20,14 +20,16 @@ from serving.linear import (
     fused,
     int8_activations_fast,
     make_linear,
-    vnni_available,
+    paired_kernels,
 )
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
 
 KERNELS = {"avx512": ("scalar", "avx2", "avx512"), "avx2": ("scalar", "avx2"), "scalar": ("scalar",)}[cpu_kernels()]
 """grouped_linear's SIMD paths this CPU can run (every one is compiled into every build)."""
-NEEDS_PAIRED = pytest.mark.skipif(not vnni_available(), reason="paired_linear needs AVX-512 VNNI")
+PAIRED = {"int16_vnni": ("int16_vnni", "int16_avx2"), "int16_avx2": ("int16_avx2",), None: ()}[paired_kernels()]
+"""paired_linear's bodies this CPU can run (both are compiled into every build)."""
+NEEDS_PAIRED = pytest.mark.skipif(not PAIRED, reason="paired_linear needs AVX2")
 NEEDS_VNNI = pytest.mark.skipif(not int8_activations_fast(), reason="the int8 preset needs AVX-512 VNNI")
 
 
@@ -146,21 +148,22 @@ def test_paired_weights_are_the_grouped_bytes_reordered(bits: str) -> None:
     assert torch.equal(looked_up.dequantize(), grouped.dequantize()[index])
 
 
-@NEEDS_PAIRED
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 64, 130])
+@pytest.mark.parametrize("kernels", PAIRED)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 64, 130])
 @pytest.mark.parametrize("bits", ["8", "4 with mins", "4 with -8 * scale"])
-def test_paired_kernel_errs_by_at_most_int16_rounding_of_each_group(rows: int, bits: str) -> None:
+def test_paired_kernel_errs_by_at_most_int16_rounding_of_each_group(kernels: str, rows: int, bits: str) -> None:
     """paired_linear quantizes each row's groups of 32 activations to int16 (the largest
     magnitude to 32767): each output is within sum_k |w[n, k]| * step[r, k] / 2 of the exact
-    product (plus float32 sums), on 19 tiles of 16 outputs (pairs of tiles and an odd one)."""
+    product (plus float32 sums), on 19 tiles of 16 outputs (pairs of tiles and an odd one),
+    for row counts that fill and leave blocks of either body (6 rows on VNNI, 3 on AVX2)."""
     torch.manual_seed(rows)
     outputs, inputs = 19 * 16, 6 * GROUP
     bias = torch.randn(outputs)
     if bits == "8":
-        linear = GroupedLinear.quantized_int8(torch.randn(outputs, inputs), bias, "vnni")
+        linear = GroupedLinear.quantized_int8(torch.randn(outputs, inputs), bias, kernels)
     else:
         weight = _four_bit(outputs, inputs, with_mins=bits == "4 with mins")
-        linear = GroupedLinear(weight, bias, "vnni")
+        linear = GroupedLinear(weight, bias, kernels)
     assert isinstance(linear.weight, PairedWeight)
     x = torch.randn(rows, inputs) * torch.logspace(-3, 1, inputs)  # groups of very different ranges
     x[0, :GROUP] = 0  # an all-zero group
@@ -174,11 +177,24 @@ def test_paired_kernel_errs_by_at_most_int16_rounding_of_each_group(rows: int, b
     assert (got.double() - expected).abs().max() > 0  # it does quantize: not float32 arithmetic
 
 
+@pytest.mark.skipif(len(PAIRED) < 2, reason="comparing the bodies needs AVX-512 VNNI")
+@pytest.mark.parametrize("bits", ["8", "4 with mins"])
+def test_paired_bodies_compute_the_same_bits(bits: str) -> None:
+    """The AVX2 and VNNI bodies quantize alike and sum each group exactly in int32, then scale in
+    the same order: a model's answers (and the quality measured on VNNI) are the same on both."""
+    torch.manual_seed(2)
+    outputs, inputs = 7 * 16, 12 * GROUP
+    weight = GroupedWeight.quantize_int8(torch.randn(outputs, inputs)) if bits == "8" else _four_bit(112, inputs, True)
+    x, bias = torch.randn(37, inputs), torch.randn(outputs)
+    vnni, avx2 = (GroupedLinear(weight, bias, kernels) for kernels in ("int16_vnni", "int16_avx2"))
+    assert torch.equal(vnni(x), avx2(x))
+
 @NEEDS_PAIRED
 def test_paired_kernel_refuses_outputs_that_do_not_fill_tiles() -> None:
+    assert GroupedLinear.quantized_int8(torch.randn(304, GROUP), None).kernels == paired_kernels()
     with pytest.raises(UnavailableError, match="tiles of 16"):
-        GroupedLinear.quantized_int8(torch.randn(300, GROUP), None, "vnni")
-    assert GroupedLinear.quantized_int8(torch.randn(300, GROUP), None).kernels == "avx512"  # chosen: the one that runs
+        GroupedLinear.quantized_int8(torch.randn(300, GROUP), None, paired_kernels())
+    assert GroupedLinear.quantized_int8(torch.randn(300, GROUP), None).kernels == cpu_kernels()  # the one that runs
 
 
 @pytest.mark.skipif(not bf16_available(), reason="bfloat16 prompts need AVX512_BF16")
@@ -202,19 +218,22 @@ def test_weight_only_int8_handles_empty_batches_and_refuses_what_it_cannot_run()
 
 
 def test_aten_cpu_capability_avx2_forces_the_avx2_path() -> None:
-    """As torch's own kernels: ATEN_CPU_CAPABILITY=avx2 makes the weight-only kernel take its
-    AVX2 body, whose results equal the scalar body's."""
+    """As torch's own kernels: ATEN_CPU_CAPABILITY=avx2 makes the weight-only kernels take their
+    AVX2 bodies: paired_linear's int16 one where outputs fill tiles of 16 (within int16 rounding
+    of the scalar body), grouped_linear's float32 one elsewhere (equal to the scalar body)."""
     if "avx2" not in KERNELS:
         pytest.skip("this CPU has no AVX2")
     script = (
-        "import torch; from serving.linear import GroupedLinear, cpu_kernels; torch.manual_seed(0);"
-        "w, x = torch.randn(64, 96), torch.randn(3, 96); forced = GroupedLinear.quantized_int8(w, None);"
-        "scalar = GroupedLinear.quantized_int8(w, None, 'scalar');"
-        "print(cpu_kernels(), forced.kernels, torch.allclose(forced(x), scalar(x), rtol=1e-5, atol=1e-5))"
+        "import torch; from serving.linear import GroupedLinear, cpu_kernels; torch.manual_seed(0)\n"
+        "x = torch.randn(3, 96)\n"
+        "for outputs, rtol in ((64, 1e-3), (72, 1e-5)):\n"
+        "    w = torch.randn(outputs, 96)\n"
+        "    forced, scalar = GroupedLinear.quantized_int8(w, None), GroupedLinear.quantized_int8(w, None, 'scalar')\n"
+        "    print(cpu_kernels(), forced.kernels, torch.allclose(forced(x), scalar(x), rtol=rtol, atol=rtol))"
     )
     env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2"}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-    assert result.stdout.split() == ["avx2", "avx2", "True"]
+    assert result.stdout.split() == ["avx2", "int16_avx2", "True", "avx2", "avx2", "True"]
 
 
 def test_int8_activations_are_refused_where_int_mm_would_stall() -> None:
