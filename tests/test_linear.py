@@ -189,6 +189,7 @@ def test_paired_bodies_compute_the_same_bits(bits: str) -> None:
     vnni, avx2 = (GroupedLinear(weight, bias, kernels) for kernels in ("int16_vnni", "int16_avx2"))
     assert torch.equal(vnni(x), avx2(x))
 
+
 @NEEDS_PAIRED
 def test_paired_kernel_refuses_outputs_that_do_not_fill_tiles() -> None:
     assert GroupedLinear.quantized_int8(torch.randn(304, GROUP), None).kernels == paired_kernels()
