@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -432,6 +433,28 @@ void accumulate_lanes(float* const* acc, const float* const* p, int64_t count, c
     for (int64_t l = 0; l < count; ++l) Math::accumulate(acc[l], p[l], values, n, dim);
 }
 
+// Writes the new tokens' K or V (rows [starts[b], starts[b] + news[b]) of `fresh`, [tokens,
+// kv_heads, head_dim] in the query's dtype) at request b's positions [lengths[b] - news[b],
+// lengths[b]), rounded to the cache's dtype as torch's conversion rounds (to nearest even).
+// One pass inside the call that reads them: a decode step at one request is otherwise
+// dominated by the two indexed copies per layer that did this.
+template <typename QT, typename KT, typename Rows>
+void store(const at::Tensor& fresh, const Rows& rows, const int64_t* starts, const int64_t* news,
+           const int64_t* lengths, int64_t batch) {
+  const int64_t kv_heads = fresh.size(1), dim = fresh.size(2);
+  const QT* data = fresh.const_data_ptr<QT>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t j = 0; j < news[b]; ++j)
+      for (int64_t kv = 0; kv < kv_heads; ++kv) {
+        const QT* from = data + (starts[b] + j) * fresh.stride(0) + kv * fresh.stride(1);
+        KT* to = const_cast<KT*>(rows(b, kv, lengths[b] - news[b] + j));
+        if constexpr (std::is_same_v<QT, KT>)
+          std::copy(from, from + dim, to);
+        else
+          for (int64_t d = 0; d < dim; ++d) to[d] = static_cast<KT>(static_cast<float>(from[d]));
+      }
+}
+
 template <typename Math, typename QT, typename KT, typename Rows>
 void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, const Rows& value_rows, int64_t kv_heads,
             const int64_t* starts, const int64_t* news, const int64_t* lengths, int64_t batch, double scale) {
@@ -667,11 +690,26 @@ int64_t check_batch(const at::Tensor& out, const at::Tensor& q, const at::Tensor
   return batch;
 }
 
+// The new tokens' K and V to store, if given: both or neither, [tokens, kv_heads, head_dim]
+// like q's rows, in q's dtype.
+bool check_fresh(const at::Tensor& q, const at::Tensor& cache, const std::optional<at::Tensor>& k,
+                 const std::optional<at::Tensor>& v) {
+  TORCH_CHECK(k.has_value() == v.has_value(), "k and v are stored together: give both or neither");
+  if (!k) return false;
+  for (const at::Tensor* t : {&*k, &*v})
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->size(0) == q.size(0) && t->size(1) == cache.size(2) &&
+                    t->size(2) == q.size(2) && t->scalar_type() == q.scalar_type() && t->stride(2) == 1,
+                "k and v must be [tokens, kv_heads, head_dim] like q's rows, in q's dtype, contiguous head_dim");
+  return true;
+}
+
 void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& reqids, const at::Tensor& starts, const at::Tensor& new_tokens,
-                      const at::Tensor& lengths, double scale) {
+                      const at::Tensor& lengths, double scale, const std::optional<at::Tensor>& k,
+                      const std::optional<at::Tensor>& v) {
   const int64_t batch =
       check_batch(out, q, k_cache, v_cache, starts, new_tokens, lengths, "[slots, context, kv_heads, head_dim]");
+  const bool fresh = check_fresh(q, k_cache, k, v);
   TORCH_CHECK(reqids.device().is_cpu() && reqids.scalar_type() == at::kLong && reqids.dim() == 1 &&
                   reqids.is_contiguous() && reqids.size(0) == batch,
               "reqids must be a contiguous int64 CPU vector, one entry per request");
@@ -681,17 +719,25 @@ void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
     TORCH_CHECK(0 <= ids[b] && ids[b] < k_cache.size(0), "reqid out of range");
     TORCH_CHECK(lens[b] <= k_cache.size(1), "a length exceeds the context");
   }
+  const int64_t* rows = starts.const_data_ptr<int64_t>();
+  const int64_t* news = new_tokens.const_data_ptr<int64_t>();
   dispatch(q.scalar_type(), k_cache.scalar_type(), q.size(2), [&]<typename Math, typename QT, typename KT>() {
-    attend<Math, QT, KT>(out, q, SlotRows<KT>(k_cache, ids), SlotRows<KT>(v_cache, ids), k_cache.size(2),
-                   starts.const_data_ptr<int64_t>(), new_tokens.const_data_ptr<int64_t>(), lens, batch, scale);
+    const SlotRows<KT> keys(k_cache, ids), values(v_cache, ids);
+    if (fresh) {
+      store<QT, KT>(*k, keys, rows, news, lens, batch);
+      store<QT, KT>(*v, values, rows, news, lens, batch);
+    }
+    attend<Math, QT, KT>(out, q, keys, values, k_cache.size(2), rows, news, lens, batch, scale);
   });
 }
 
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_blocks,
                      const at::Tensor& v_blocks, const at::Tensor& block_table, const at::Tensor& starts,
-                     const at::Tensor& new_tokens, const at::Tensor& lengths, double scale) {
+                     const at::Tensor& new_tokens, const at::Tensor& lengths, double scale,
+                     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v) {
   const int64_t batch =
       check_batch(out, q, k_blocks, v_blocks, starts, new_tokens, lengths, "[blocks, block_size, kv_heads, head_dim]");
+  const bool fresh = check_fresh(q, k_blocks, k, v);
   TORCH_CHECK(block_table.device().is_cpu() && block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
                   block_table.stride(1) == 1 && block_table.size(0) == batch,
               "block_table must be an int32 CPU [batch, max_blocks] table, one row per request");
@@ -706,22 +752,28 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
       TORCH_CHECK(0 <= block && block < num_blocks, "block id out of range");
     }
   }
+  const int64_t* rows = starts.const_data_ptr<int64_t>();
+  const int64_t* news = new_tokens.const_data_ptr<int64_t>();
   dispatch(q.scalar_type(), k_blocks.scalar_type(), q.size(2), [&]<typename Math, typename QT, typename KT>() {
-    attend<Math, QT, KT>(out, q, BlockRows<KT>(k_blocks, block_table), BlockRows<KT>(v_blocks, block_table),
-                   k_blocks.size(2), starts.const_data_ptr<int64_t>(), new_tokens.const_data_ptr<int64_t>(), lens,
-                   batch, scale);
+    const BlockRows<KT> keys(k_blocks, block_table), values(v_blocks, block_table);
+    if (fresh) {
+      store<QT, KT>(*k, keys, rows, news, lens, batch);
+      store<QT, KT>(*v, values, rows, news, lens, batch);
+    }
+    attend<Math, QT, KT>(out, q, keys, values, k_blocks.size(2), rows, news, lens, batch, scale);
   });
 }
 
 }  // namespace
 
 TORCH_LIBRARY(vattn, m) {
+  // With k and v, the new tokens' K/V are written into the caches first (hence their (b!), (c!)).
   m.def(
-      "ragged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor reqids, Tensor starts, "
-      "Tensor new_tokens, Tensor lengths, float scale) -> ()");
+      "ragged_attention(Tensor(a!) out, Tensor q, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor reqids, "
+      "Tensor starts, Tensor new_tokens, Tensor lengths, float scale, Tensor? k=None, Tensor? v=None) -> ()");
   m.def(
-      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_blocks, Tensor v_blocks, Tensor block_table, "
-      "Tensor starts, Tensor new_tokens, Tensor lengths, float scale) -> ()");
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor(b!) k_blocks, Tensor(c!) v_blocks, Tensor block_table, "
+      "Tensor starts, Tensor new_tokens, Tensor lengths, float scale, Tensor? k=None, Tensor? v=None) -> ()");
   m.def("attention_simd(int head_dim) -> str", &simd_for);
 }
 

@@ -93,6 +93,30 @@ def test_ragged_kernel_simd_bodies_match_float64(capability: str) -> None:
     assert result.stdout.split() == expected
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_ragged_kernel_stores_the_new_tokens_as_torch_rounds_them(cache_dtype: torch.dtype) -> None:
+    """Given k and v, the call writes each request's new rows at its last positions (rounded
+    as torch's .to() rounds) and touches nothing else; k without v is refused."""
+    ops, generator = vattn_ops(), torch.Generator().manual_seed(1)
+    lengths, news = [5, 40, 1], [1, 7, 1]
+    k_cache, v_cache = (torch.randn(3, 48, 3, 64, generator=generator).to(cache_dtype) for _ in range(2))
+    before = k_cache.clone(), v_cache.clone()
+    qkv = torch.randn(sum(news), 15, 64, generator=generator)  # strided views, as the model's split gives them
+    q, k, v = qkv[:, :9], qkv[:, 9:12], qkv[:, 12:]
+    out, starts = torch.empty_like(q), torch.tensor([0, *news[:-1]]).cumsum(0)
+    vectors = (torch.tensor([2, 0, 1]), starts, torch.tensor(news), torch.tensor(lengths))
+    ops.ragged_attention(out, q, k_cache, v_cache, *vectors, 0.125, k, v)
+    for cache, new, old in zip((k_cache, v_cache), (k, v), before, strict=True):
+        expected = old.clone()
+        for slot, start, count, length in zip([2, 0, 1], starts, news, lengths, strict=True):
+            expected[slot, length - count : length] = new[start : start + count].to(cache_dtype)
+        assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="give both or neither"):
+        ops.ragged_attention(out, q, k_cache, v_cache, *vectors, 0.125, k, None)
+    with pytest.raises(RuntimeError, match=r"k and v must be \[tokens, kv_heads, head_dim\]"):
+        ops.ragged_attention(out, q, k_cache, v_cache, *vectors, 0.125, k[:, :2], v[:, :2])
+
+
 def test_plan_refuses_what_step_did_not_guarantee(make_cache: MakeCache) -> None:
     cache = make_cache()
     kernel = make_kernel("sdpa", cache, num_query_heads=4)

@@ -200,9 +200,8 @@ class PagedNativeKernel(PagedKernel):
         return replace(batch, wrapper=(batch.host_block_table.contiguous(), *vectors))
 
     def _forward(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        self._store(blocks, batch, k, v)
         out = torch.empty_like(q)
-        self._attend(out, q, *blocks, *batch.wrapper, self.scale)
+        self._attend(out, q, *blocks, *batch.wrapper, self.scale, k, v)  # stores k, v, then attends
         return out
 
 
