@@ -45,7 +45,7 @@ constexpr int64_t kGroup = 32;  // inputs per scale
 constexpr int64_t kTile = 16;   // outputs per vector
 constexpr int64_t kPairs = kGroup / 2;
 constexpr int64_t kRows = 6;      // AVX-512 rows per block: 2 tiles x 2 x 6 accumulators stay in registers
-constexpr int64_t kRowsAvx2 = 3;  // AVX2: 2 halves x 2 x 3 of its 16 registers
+constexpr int64_t kRowsAvx2 = 3;  // AVX2: 2 halves x 2 x 3 of its 16 registers (4 or 6 rows spill: 5-20% slower)
 
 struct Problem {
   const int32_t* pairs;     // [m, in / 2]: each row's quantized activations, two int16 per int32
