@@ -16,6 +16,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"},
     "int8": {"dtype": "float32", "quantization": "int8"},
     "w8": {"dtype": "float32", "quantization": "int8_weight_only"},
+    "q8": {"dtype": "float32", "quantization": "q8_0", "kv_cache_dtype": "float16"},  # llama.cpp Q8_0's, f16 KV
     "gguf": {"dtype": "float32", "quantization": "gguf"},
     "bf16w": {"dtype": "float32", "quantization": "bf16"},
     "bf16": {"dtype": "bfloat16"},

@@ -48,10 +48,11 @@ constexpr int64_t kRows = 6;      // AVX-512 rows per block: 2 tiles x 2 x 6 acc
 constexpr int64_t kRowsAvx2 = 3;  // AVX2: 2 halves x 2 x 3 of its 16 registers (4 or 6 rows spill: 5-20% slower)
 
 struct Problem {
-  const int32_t* pairs;     // [m, in / 2]: each row's quantized activations, two int16 per int32
+  const int32_t* words;     // [m, groups, Format::kSteps]: each row's quantized activations, two int16 or four int8 per int32
   const float* row_scales;  // [m, groups]
   const float* row_sums;    // [m, groups]: scale * sum of the group's quantized activations
-  const uint8_t* weight;    // [tiles, groups, kPairs, Format::kBytes]
+  const int32_t* offsets;   // [m, groups]: 128 * sum of the group's int8 activations (Int8Quads), or null
+  const uint8_t* weight;    // [tiles, groups, Format::kSteps, Format::kBytes]
   const float* scales;      // [tiles, groups, kTile]
   const float* mins;        // [tiles, groups, kTile] (4-bit) or null
   const float* bias;        // [out] or null
@@ -63,11 +64,17 @@ struct Problem {
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define AVX2 __attribute__((target("avx2,fma")))
 
+// A weight format: kSteps activation words per group, each multiplied into a tile by one
+// instruction (dot) against kBytes of weights (widened by widen).
 struct Int8Pairs {
+  static constexpr int64_t kSteps = kPairs;
   static constexpr int64_t kBytes = 2 * kTile;  // 16 outputs x 2 inputs, int8
-  static constexpr bool kMins = false;
+  static constexpr bool kMins = false, kOffset = false;
   VNNI static __m512i widen(const uint8_t* pair) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair)));
+  }
+  VNNI static __m512i dot(__m512i sum, __m512i activations, __m512i weights) {
+    return _mm512_dpwssd_epi32(sum, activations, weights);
   }
   AVX2 static __m256i widen_half(const uint8_t* pair, int64_t half) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + kTile * half)));
@@ -75,8 +82,12 @@ struct Int8Pairs {
 };
 
 struct NibblePairs {
+  static constexpr int64_t kSteps = kPairs;
   static constexpr int64_t kBytes = kTile;  // 16 outputs, one byte each: first input low, second high
-  static constexpr bool kMins = true;
+  static constexpr bool kMins = true, kOffset = false;
+  VNNI static __m512i dot(__m512i sum, __m512i activations, __m512i weights) {
+    return _mm512_dpwssd_epi32(sum, activations, weights);
+  }
   VNNI static __m512i widen(const uint8_t* pair) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
     // (b | b << 12) & 0x000F000F: the low nibble in the low int16, the high nibble in the high one.
@@ -88,11 +99,25 @@ struct NibblePairs {
   }
 };
 
+// llama.cpp's Q8_0 arithmetic, activations in int8 too: vpdpbusd does 64 multiply-adds of
+// unsigned x signed bytes per instruction, twice vpdpwssd's, on weights stored as q + 128
+// (unsigned, 0..255) four inputs x 16 outputs a vector with no widening. Each group's sum then
+// carries 128 * the sum of its activations, subtracted in int32 (exact) before scaling.
+struct Int8Quads {
+  static constexpr int64_t kSteps = kGroup / 4;
+  static constexpr int64_t kBytes = 4 * kTile;
+  static constexpr bool kMins = false, kOffset = true;
+  VNNI static __m512i widen(const uint8_t* quad) { return _mm512_loadu_si512(quad); }
+  VNNI static __m512i dot(__m512i sum, __m512i activations, __m512i weights) {
+    return _mm512_dpbusd_epi32(sum, weights, activations);
+  }
+};
+
 // Rows [row, row + R) of the T tiles from t (outputs [16 t, 16 (t + T))): T tiles share each
 // broadcast of a row's activations.
 template <class Format, int64_t T, int64_t R>
 VNNI void tile_rows(const Problem& p, int64_t row, int64_t t) {
-  const int64_t half_in = p.groups * kPairs;
+  const int64_t words = p.groups * Format::kSteps;
   __m512 sum[T][R];
   for (int64_t j = 0; j < T; ++j)
     for (int64_t r = 0; r < R; ++r) sum[j][r] = _mm512_setzero_ps();
@@ -100,14 +125,20 @@ VNNI void tile_rows(const Problem& p, int64_t row, int64_t t) {
     __m512i dot[T][R];
     for (int64_t j = 0; j < T; ++j)
       for (int64_t r = 0; r < R; ++r) dot[j][r] = _mm512_setzero_si512();
-    for (int64_t k = 0; k < kPairs; ++k) {
+    for (int64_t k = 0; k < Format::kSteps; ++k) {
       __m512i w[T];
-      for (int64_t j = 0; j < T; ++j) w[j] = Format::widen(p.weight + (((t + j) * p.groups + g) * kPairs + k) * Format::kBytes);
+      for (int64_t j = 0; j < T; ++j)
+        w[j] = Format::widen(p.weight + (((t + j) * p.groups + g) * Format::kSteps + k) * Format::kBytes);
       for (int64_t r = 0; r < R; ++r) {
-        const __m512i a = _mm512_set1_epi32(p.pairs[(row + r) * half_in + g * kPairs + k]);
-        for (int64_t j = 0; j < T; ++j) dot[j][r] = _mm512_dpwssd_epi32(dot[j][r], a, w[j]);
+        const __m512i a = _mm512_set1_epi32(p.words[(row + r) * words + g * Format::kSteps + k]);
+        for (int64_t j = 0; j < T; ++j) dot[j][r] = Format::dot(dot[j][r], a, w[j]);
       }
     }
+    if constexpr (Format::kOffset)
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512i offset = _mm512_set1_epi32(p.offsets[(row + r) * p.groups + g]);
+        for (int64_t j = 0; j < T; ++j) dot[j][r] = _mm512_sub_epi32(dot[j][r], offset);
+      }
     for (int64_t j = 0; j < T; ++j) {
       const int64_t at = ((t + j) * p.groups + g) * kTile;
       const __m512 scale = _mm512_loadu_ps(p.scales + at);
@@ -144,7 +175,7 @@ AVX2 void tile_rows_avx2(const Problem& p, int64_t row, int64_t t) {
       const uint8_t* pair = p.weight + ((t * p.groups + g) * kPairs + k) * Format::kBytes;
       const __m256i w[2] = {Format::widen_half(pair, 0), Format::widen_half(pair, 1)};
       for (int64_t r = 0; r < R; ++r) {
-        const __m256i a = _mm256_set1_epi32(p.pairs[(row + r) * half_in + g * kPairs + k]);
+        const __m256i a = _mm256_set1_epi32(p.words[(row + r) * half_in + g * kPairs + k]);
         for (int64_t h = 0; h < 2; ++h) dot[h][r] = _mm256_add_epi32(dot[h][r], _mm256_madd_epi16(a, w[h]));
       }
     }
@@ -192,12 +223,14 @@ void multiply(const Problem& p, bool avx512) {
   // thread's tiles (32 outputs x in bytes, or half that) stay in L1 while every block of rows
   // reads them.
   const int64_t tiles = p.out / kTile;
-  if (!avx512) {
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        all_rows<kRowsAvx2>(p.m, [&](auto rows, int64_t row) { tile_rows_avx2<Format, rows>(p, row, t); });
-    });
-    return;
+  if constexpr (requires(const uint8_t* bytes) { Format::widen_half(bytes, 0); }) {  // not Int8Quads
+    if (!avx512) {
+      at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t)
+          all_rows<kRowsAvx2>(p.m, [&](auto rows, int64_t row) { tile_rows_avx2<Format, rows>(p, row, t); });
+      });
+      return;
+    }
   }
   at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     for (int64_t pair = begin; pair < end; ++pair) {
@@ -223,6 +256,22 @@ VNNI void quantize_groups(const float* x, int64_t begin, int64_t end, int16_t* q
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup + 16), _mm512_cvtsepi32_epi16(q_hi));
     scales[i] = largest / 32767.0f;
     sums[i] = scales[i] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi)));
+  }
+}
+
+// The same to int8 for Int8Quads (largest magnitude -> 127, llama.cpp's Q8_0 activations), with
+// 128 * sum(q) as the int32 offset its unsigned weights add.
+VNNI void quantize_groups_int8(const float* x, int64_t begin, int64_t end, int8_t* q, float* scales, int32_t* offsets) {
+  for (int64_t i = begin; i < end; ++i) {
+    const __m512 lo = _mm512_loadu_ps(x + i * kGroup), hi = _mm512_loadu_ps(x + i * kGroup + 16);
+    const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+    const __m512i q_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse));  // to nearest, ties to even
+    const __m512i q_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup), _mm512_cvtsepi32_epi8(q_lo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup + 16), _mm512_cvtsepi32_epi8(q_hi));
+    scales[i] = largest / 127.0f;
+    offsets[i] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
   }
 }
 
@@ -255,10 +304,13 @@ AVX2 void quantize_groups_avx2(const float* x, int64_t begin, int64_t end, int16
 
 at::Tensor paired_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                          const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits,
-                         bool avx512) {
+                         bool avx512, int64_t activation_bits) {
 #if defined(__x86_64__)
   TORCH_CHECK(!avx512 || (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")),
               "this CPU has no AVX-512 VNNI: call paired_linear with avx512=False");
+  TORCH_CHECK(activation_bits == 16 || activation_bits == 8, "activation_bits must be 16 or 8, got ", activation_bits);
+  TORCH_CHECK(activation_bits == 16 || (avx512 && bits == 8),
+              "int8 activations run on AVX-512 VNNI with 8-bit weights (quads) only");
   TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
               "paired_linear needs AVX2 and FMA, which this CPU lacks: use grouped_linear");
   TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
@@ -279,18 +331,25 @@ at::Tensor paired_linear(const at::Tensor& x, const at::Tensor& weight, const at
   const at::Tensor rows = x.reshape({-1, in}).contiguous();
   const int64_t m = rows.size(0);
   at::Tensor result = at::empty({m, out}, rows.options());
-  at::Tensor quantized = at::empty({m, in}, rows.options().dtype(at::kShort));
+  const bool int8 = activation_bits == 8;
+  at::Tensor quantized = at::empty({m, in}, rows.options().dtype(int8 ? at::kChar : at::kShort));
   at::Tensor row_scales = at::empty({m, groups}, rows.options()), row_sums = at::empty({m, groups}, rows.options());
+  at::Tensor offsets = at::empty({int8 ? m : 0, groups}, rows.options().dtype(at::kInt));
   if (m > 0) {
     at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
-      (avx512 ? quantize_groups : quantize_groups_avx2)(rows.const_data_ptr<float>(), begin, end,
-                                                        quantized.mutable_data_ptr<int16_t>(),
-                                                        row_scales.mutable_data_ptr<float>(),
-                                                        row_sums.mutable_data_ptr<float>());
+      const float* from = rows.const_data_ptr<float>();
+      if (int8)
+        quantize_groups_int8(from, begin, end, quantized.mutable_data_ptr<int8_t>(), row_scales.mutable_data_ptr<float>(),
+                             offsets.mutable_data_ptr<int32_t>());
+      else
+        (avx512 ? quantize_groups : quantize_groups_avx2)(from, begin, end, quantized.mutable_data_ptr<int16_t>(),
+                                                          row_scales.mutable_data_ptr<float>(),
+                                                          row_sums.mutable_data_ptr<float>());
     });
-    const Problem p{reinterpret_cast<const int32_t*>(quantized.const_data_ptr<int16_t>()),
+    const Problem p{static_cast<const int32_t*>(quantized.const_data_ptr()),
                     row_scales.const_data_ptr<float>(),
                     row_sums.const_data_ptr<float>(),
+                    int8 ? offsets.const_data_ptr<int32_t>() : nullptr,
                     static_cast<const uint8_t*>(weight.const_data_ptr()),
                     scales.const_data_ptr<float>(),
                     mins ? mins->const_data_ptr<float>() : nullptr,
@@ -299,7 +358,9 @@ at::Tensor paired_linear(const at::Tensor& x, const at::Tensor& weight, const at
                     m,
                     groups,
                     out};
-    if (bits == 8)
+    if (int8)
+      multiply<Int8Quads>(p, true);
+    else if (bits == 8)
       multiply<Int8Pairs>(p, avx512);
     else
       multiply<NibblePairs>(p, avx512);
@@ -308,7 +369,7 @@ at::Tensor paired_linear(const at::Tensor& x, const at::Tensor& weight, const at
   shape.back() = out;
   return result.view(shape);
 #else
-  (void)x, (void)weight, (void)scales, (void)mins, (void)bias, (void)bits, (void)avx512;
+  (void)x, (void)weight, (void)scales, (void)mins, (void)bias, (void)bits, (void)avx512, (void)activation_bits;
   TORCH_CHECK(false, "paired_linear needs AVX2 or AVX-512 VNNI (x86-64): use grouped_linear");
 #endif
 }
@@ -317,8 +378,8 @@ at::Tensor paired_linear(const at::Tensor& x, const at::Tensor& weight, const at
 
 TORCH_LIBRARY_FRAGMENT(vattn, m) {
   m.def(
-      "paired_linear(Tensor x, Tensor weight, Tensor scales, Tensor? mins, Tensor? bias, int bits, bool avx512) -> "
-      "Tensor");
+      "paired_linear(Tensor x, Tensor weight, Tensor scales, Tensor? mins, Tensor? bias, int bits, bool avx512, "
+      "int activation_bits=16) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vattn, CPU, m) { m.impl("paired_linear", &paired_linear); }

@@ -49,8 +49,8 @@ class EngineConfig:
     `sdpa` on CUDA); paged cache, vattn.paged.PAGED_KERNELS (`auto`: `paged` on the host,
     `paged_flashinfer` on CUDA)."""
     quantization: str = "auto"
-    """Weights (serving.linear): `none` (as `dtype`), `bf16`, `int8`, `int8_weight_only`, or
-    `gguf` (a GGUF file's quantized weights as stored); `auto`: `gguf` for a GGUF file, else `none`."""
+    """Weights (serving.linear): `none` (as `dtype`), `bf16`, `int8`, `int8_weight_only`, `q8_0`,
+    or `gguf` (a GGUF file's quantized weights as stored); `auto`: `gguf` for a GGUF file, else `none`."""
     kv_cache_dtype: str = "auto"
     """The KV cache's precision (vLLM's --kv-cache-dtype): `auto` is `dtype`; `float16` (llama.cpp's
     default KV type) or `bfloat16` halve a float32 model's KV bytes, and with them the bytes a

@@ -145,6 +145,7 @@ def test_loads_the_gguf_file_and_bfloat16(hf_greedy: list[list[int]]) -> None:
     [
         "bf16",
         "int8_weight_only",
+        "q8_0",
         pytest.param("int8", marks=pytest.mark.skipif(not int8_activations_fast(), reason="needs AVX-512 VNNI")),
     ],
 )

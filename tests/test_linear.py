@@ -21,6 +21,7 @@ from serving.linear import (
     int8_activations_fast,
     make_linear,
     paired_kernels,
+    vnni_available,
 )
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
@@ -31,6 +32,7 @@ PAIRED = {"int16_vnni": ("int16_vnni", "int16_avx2"), "int16_avx2": ("int16_avx2
 """paired_linear's bodies this CPU can run (both are compiled into every build)."""
 NEEDS_PAIRED = pytest.mark.skipif(not PAIRED, reason="paired_linear needs AVX2")
 NEEDS_VNNI = pytest.mark.skipif(not int8_activations_fast(), reason="the int8 preset needs AVX-512 VNNI")
+NEEDS_INT8_VNNI = pytest.mark.skipif(not vnni_available(), reason="paired_linear's int8 activations need AVX-512 VNNI")
 
 
 def _projection(out_features: int, in_features: int, bias: bool, seed: int) -> torch.nn.Linear:
@@ -40,7 +42,13 @@ def _projection(out_features: int, in_features: int, bias: bool, seed: int) -> t
 
 @pytest.mark.parametrize(
     ("quantization", "tolerance"),
-    [("none", 1e-6), ("bf16", 2e-2), pytest.param("int8", 2e-2, marks=NEEDS_VNNI), ("int8_weight_only", 1e-2)],
+    [
+        ("none", 1e-6),
+        ("bf16", 2e-2),
+        pytest.param("int8", 2e-2, marks=NEEDS_VNNI),
+        ("int8_weight_only", 1e-2),
+        ("q8_0", 2e-2),
+    ],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_projections_match_the_separate_ones(quantization: str, tolerance: float, bias: bool) -> None:
@@ -86,7 +94,7 @@ def test_int8_handles_zero_rows_and_empty_batches() -> None:
 def test_unknown_quantization_is_refused() -> None:
     with pytest.raises(ValueError, match="quantization must be one of none, bf16, int8, int8_weight_only"):
         make_linear(torch.randn(4, 4), None, "int4")
-    assert QUANTIZATIONS == ("none", "bf16", "int8", "int8_weight_only", "gguf")
+    assert QUANTIZATIONS == ("none", "bf16", "int8", "int8_weight_only", "q8_0", "gguf")
 
 
 def _four_bit(out: int, inputs: int, with_mins: bool) -> GroupedWeight:
@@ -146,6 +154,51 @@ def test_paired_weights_are_the_grouped_bytes_reordered(bits: str) -> None:
     looked_up = paired.rows(index)
     assert torch.equal(looked_up.data, grouped.rows(index).data)
     assert torch.equal(looked_up.dequantize(), grouped.dequantize()[index])
+
+
+def test_int8_quads_are_the_grouped_weights_plus_128() -> None:
+    """For int8 activations the 8-bit weight steps by quads of inputs, stored q + 128."""
+    torch.manual_seed(1)
+    grouped = GroupedWeight.quantize_int8(torch.randn(48, 3 * GROUP))
+    quads = PairedWeight.of(grouped, activation_bits=8)
+    assert quads.step == 4 and quads.data.dtype == torch.uint8 and quads.data.numel() == grouped.data.numel()
+    first = grouped.data[:16, :4].view(torch.int8).to(torch.int16) + 128  # tile 0, group 0, quad 0
+    assert torch.equal(quads.data.reshape(3, 3, 8, 16, 4)[0, 0, 0].to(torch.int16), first)
+    assert torch.equal(quads.dequantize(), grouped.dequantize())
+    index = torch.tensor([47, 0, 17, 17, 30])
+    assert torch.equal(quads.rows(index).data, grouped.rows(index).data)
+    with pytest.raises(ValueError, match="8-bit weights only"):
+        PairedWeight.of(_four_bit(48, 3 * GROUP, True), activation_bits=8)
+    if vnni_available():
+        with pytest.raises(UnavailableError, match="8-bit weights and AVX-512 VNNI"):
+            GroupedLinear(_four_bit(48, 3 * GROUP, True), None, "int8_vnni")
+
+
+@NEEDS_INT8_VNNI
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
+def test_int8_activations_compute_llamacpp_q8_0_arithmetic(rows: int) -> None:
+    """`q8_0`: each row's groups of 32 activations rounded to int8 (the largest magnitude to 127,
+    ties to even) and summed against the int8 weights exactly in int32: the output is the exact
+    product of those quantized activations and weights, up to float32's scaling and sums."""
+    torch.manual_seed(rows)
+    outputs, inputs = 19 * 16, 6 * GROUP
+    bias = torch.randn(outputs)
+    weight = torch.randn(outputs, inputs)
+    linear = GroupedLinear.quantized_int8(weight, bias, activation_bits=8)
+    assert linear.kernels == "int8_vnni" and linear.weight.activation_bits == 8
+    x = torch.randn(rows, inputs) * torch.logspace(-3, 1, inputs)
+    x[0, :GROUP] = 0  # an all-zero group
+    groups = x.reshape(rows, -1, GROUP)
+    largest = groups.abs().amax(dim=2, keepdim=True)
+    q = torch.round(groups * torch.where(largest > 0, 127 / largest, 0))
+    quantized = (q.double() * (largest / 127).double()).reshape(rows, inputs)
+    w = linear.weight.dequantize().double()
+    expected = quantized @ w.T + bias.double()
+    got = linear(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, outputs)
+    assert ((got.double() - expected).abs() <= 1e-6 * (quantized.abs() @ w.abs().T + 1)).all()
+    int16 = GroupedLinear.quantized_int8(weight, bias)
+    assert (got - int16(x)).abs().max() > 1e-3  # coarser than the int16 activations
 
 
 @pytest.mark.parametrize("kernels", PAIRED)
@@ -221,7 +274,8 @@ def test_weight_only_int8_handles_empty_batches_and_refuses_what_it_cannot_run()
 def test_aten_cpu_capability_avx2_forces_the_avx2_path() -> None:
     """As torch's own kernels: ATEN_CPU_CAPABILITY=avx2 makes the weight-only kernels take their
     AVX2 bodies: paired_linear's int16 one where outputs fill tiles of 16 (within int16 rounding
-    of the scalar body), grouped_linear's float32 one elsewhere (equal to the scalar body)."""
+    of the scalar body), grouped_linear's float32 one elsewhere (equal to the scalar body); int8
+    activations (`q8_0`) run as int16 there."""
     if "avx2" not in KERNELS:
         pytest.skip("this CPU has no AVX2")
     script = (
@@ -230,11 +284,12 @@ def test_aten_cpu_capability_avx2_forces_the_avx2_path() -> None:
         "for outputs, rtol in ((64, 1e-3), (72, 1e-5)):\n"
         "    w = torch.randn(outputs, 96)\n"
         "    forced, scalar = GroupedLinear.quantized_int8(w, None), GroupedLinear.quantized_int8(w, None, 'scalar')\n"
-        "    print(cpu_kernels(), forced.kernels, torch.allclose(forced(x), scalar(x), rtol=rtol, atol=rtol))"
+        "    print(cpu_kernels(), forced.kernels, torch.allclose(forced(x), scalar(x), rtol=rtol, atol=rtol))\n"
+        "print(GroupedLinear.quantized_int8(torch.randn(64, 96), None, activation_bits=8).kernels)"
     )
     env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2"}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-    assert result.stdout.split() == ["avx2", "int16_avx2", "True", "avx2", "avx2", "True"]
+    assert result.stdout.split() == ["avx2", "int16_avx2", "True", "avx2", "avx2", "True", "int16_avx2"]
 
 
 def test_int8_activations_are_refused_where_int_mm_would_stall() -> None:
