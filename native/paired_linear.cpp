@@ -244,34 +244,29 @@ void multiply(const Problem& p, bool avx512) {
 }
 
 // Groups [begin, end) of rows' inputs (group i is inputs 32 i .. 32 i + 31 of the flattened
-// rows): scale = max |x| / 32767, q = round(x / scale) as int16, and scale * sum(q).
-VNNI void quantize_groups(const float* x, int64_t begin, int64_t end, int16_t* q, float* scales, float* sums) {
+// rows): scale = max |x| / top, q = round(x / scale) as Q, and the sum of q's: for int16 (top
+// 32767) scale * sum(q) in sums, for int8 (top 127, llama.cpp's Q8_0 activations) 128 * sum(q)
+// in offsets, the int32 that Int8Quads' unsigned weights add.
+template <typename Q>
+VNNI void quantize_groups(const float* x, int64_t begin, int64_t end, Q* q, float* scales, float* sums, int32_t* offsets) {
+  constexpr float top = std::is_same_v<Q, int16_t> ? 32767.0f : 127.0f;
   for (int64_t i = begin; i < end; ++i) {
     const __m512 lo = _mm512_loadu_ps(x + i * kGroup), hi = _mm512_loadu_ps(x + i * kGroup + 16);
     const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
+    const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? top / largest : 0.0f);
     const __m512i q_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse));  // to nearest, ties to even
     const __m512i q_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup), _mm512_cvtsepi32_epi16(q_lo));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup + 16), _mm512_cvtsepi32_epi16(q_hi));
-    scales[i] = largest / 32767.0f;
-    sums[i] = scales[i] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi)));
-  }
-}
-
-// The same to int8 for Int8Quads (largest magnitude -> 127, llama.cpp's Q8_0 activations), with
-// 128 * sum(q) as the int32 offset its unsigned weights add.
-VNNI void quantize_groups_int8(const float* x, int64_t begin, int64_t end, int8_t* q, float* scales, int32_t* offsets) {
-  for (int64_t i = begin; i < end; ++i) {
-    const __m512 lo = _mm512_loadu_ps(x + i * kGroup), hi = _mm512_loadu_ps(x + i * kGroup + 16);
-    const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
-    const __m512i q_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse));  // to nearest, ties to even
-    const __m512i q_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup), _mm512_cvtsepi32_epi8(q_lo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup + 16), _mm512_cvtsepi32_epi8(q_hi));
-    scales[i] = largest / 127.0f;
-    offsets[i] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+    scales[i] = largest / top;
+    if constexpr (std::is_same_v<Q, int16_t>) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup), _mm512_cvtsepi32_epi16(q_lo));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup + 16), _mm512_cvtsepi32_epi16(q_hi));
+      sums[i] = scales[i] * static_cast<float>(total);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup), _mm512_cvtsepi32_epi8(q_lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup + 16), _mm512_cvtsepi32_epi8(q_hi));
+      offsets[i] = 128 * total;
+    }
   }
 }
 
@@ -338,13 +333,14 @@ at::Tensor paired_linear(const at::Tensor& x, const at::Tensor& weight, const at
   if (m > 0) {
     at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
       const float* from = rows.const_data_ptr<float>();
+      float *scales_out = row_scales.mutable_data_ptr<float>(), *sums_out = row_sums.mutable_data_ptr<float>();
       if (int8)
-        quantize_groups_int8(from, begin, end, quantized.mutable_data_ptr<int8_t>(), row_scales.mutable_data_ptr<float>(),
-                             offsets.mutable_data_ptr<int32_t>());
+        quantize_groups(from, begin, end, quantized.mutable_data_ptr<int8_t>(), scales_out, sums_out,
+                        offsets.mutable_data_ptr<int32_t>());
+      else if (avx512)
+        quantize_groups(from, begin, end, quantized.mutable_data_ptr<int16_t>(), scales_out, sums_out, nullptr);
       else
-        (avx512 ? quantize_groups : quantize_groups_avx2)(from, begin, end, quantized.mutable_data_ptr<int16_t>(),
-                                                          row_scales.mutable_data_ptr<float>(),
-                                                          row_sums.mutable_data_ptr<float>());
+        quantize_groups_avx2(from, begin, end, quantized.mutable_data_ptr<int16_t>(), scales_out, sums_out);
     });
     const Problem p{static_cast<const int32_t*>(quantized.const_data_ptr()),
                     row_scales.const_data_ptr<float>(),
