@@ -63,10 +63,18 @@ class System:
     ir: str | None = None  # OpenVINO's IR folder under .peers/openvino/
     kv_precision: str | None = None  # OpenVINO's KV_CACHE_PRECISION; None: its default
 
+    @property
+    def kv(self) -> str:
+        """The KV cache's precision as the results name it."""
+        if self.vattn_config:
+            return {"auto": "f32", "float16": "f16"}[engine_options(self.vattn_config).get("kv_cache_dtype", "auto")]
+        return self.kv_precision or "default"
+
 
 SYSTEMS = (
     System("vattn-fp32", "fp32", vattn_config="fp32"),
     System("vattn-w8", "int8", vattn_config="w8"),
+    System("vattn-q8", "int8", vattn_config="q8"),
     System("openvino-fp32-f32kv", "fp32", ir="ir-fp32", kv_precision="f32"),
     System("openvino-fp32-defaultkv", "fp32", ir="ir-fp32"),
     System("openvino-int8-f32kv", "int8", ir="ir-int8", kv_precision="f32"),
@@ -162,7 +170,7 @@ def tabulate(systems: list[System], rounds: dict[str, list[dict[str, Any]]]) -> 
             continue
         results = rounds[system.name]
         speeds = [r["output_tokens"] / r["seconds"] for r in results]
-        row: dict[str, Any] = {"system": system.name, "weights": system.weights, "kv": system.kv_precision or "default"}
+        row: dict[str, Any] = {"system": system.name, "weights": system.weights, "kv": system.kv}
         row |= {f"round_{i + 1}_tok_s": s for i, s in enumerate(speeds)}
         row |= {"out_tok_s": mean(speeds), "peak_rss_mib": max(r["peak_rss_bytes"] for r in results) / 2**20}
         if reference is not None:
