@@ -45,6 +45,7 @@ from measure.results import (
     RESULTS_DIR,
     CpuShare,
     command_line,
+    exit_on_sigterm,
     free_port,
     machine_facts,
     print_table,
@@ -218,6 +219,7 @@ def log_tail(path: Path, lines: int = 15) -> str:
 @contextmanager
 def started(system: System, log: Path, timeout: float) -> Iterator[tuple[str, subprocess.Popen[bytes], float]]:
     """The system's server on a free loopback port until it answers its /health: (url, process, seconds)."""
+    exit_on_sigterm()
     port = free_port()
     command = [part.replace("{port}", str(port)) for part in system.command]
     with log.open("wb") as out:

@@ -9,6 +9,7 @@ import mmap
 import os
 import platform
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -277,9 +278,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def exit_on_sigterm() -> None:
+    """Makes SIGTERM (a `timeout`, a killed job) unwind this process as an exception would, so that
+    the servers a benchmark started are stopped by its context managers instead of outliving it
+    and loading the machine under the next measurement (Python's default is to die at once)."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
 @contextmanager
 def local_server(serve_args: str = "") -> Iterator[str]:
     """`vattn serve` with these options in a subprocess on a free port, once it answers /health."""
+    exit_on_sigterm()
     port = free_port()
     command = [sys.executable, "-m", "serving.server.cli", "serve", "--port", str(port), *serve_args.split()]
     process = subprocess.Popen(command)
