@@ -89,8 +89,9 @@ struct BlockRows {
 // ATEN_CPU_CAPABILITY / the CPU, as torch chooses its own kernels.
 constexpr int64_t kBlock = 16;
 // Each block's rows are prefetched this many blocks ahead: a decode's keys come from memory,
-// not cache, and without it the loads stall (16 decodes at 480 keys, float32: 527 -> ~300 us,
-// 25 -> 40 GB/s of this machine's ~50; 3 blocks ahead or 4 were slower).
+// not cache, and without it the loads stall (benchmarks.attention_kernel, 64 decodes at 1,024
+// keys, float32: 3,773 -> 2,753 us, 27 -> 37 GB/s of this machine's ~50; 3 or 4 blocks ahead
+// were slower).
 constexpr int64_t kPrefetchBlocks = 2;
 
 struct ScalarMath {
