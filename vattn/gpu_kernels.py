@@ -244,9 +244,10 @@ class FlashInferPagedKernel(AttentionKernel):
         super().__init__(cache, num_query_heads)
         require_gpu(cache.device, self.name)
         require_half_precision(cache.config.dtype, self.name)
+        flashinfer = import_flashinfer(self.name)  # first: a refusal's traceback then holds no view of the cache
         keys, _ = cache.layer_tensors(0)
         _, self._pages_per_slot = slot_pages(keys, FLASHINFER_PAGE_TOKENS)  # refuses a layout it cannot page
-        flashinfer = import_flashinfer(self.name)
+        del keys
         tensor_cores = decode_uses_tensor_cores(num_query_heads, cache.config.num_kv_heads)
         with flashinfer_available(self.name):
             self._plans = FlashInferPlans(flashinfer, cache.device, tensor_cores)
