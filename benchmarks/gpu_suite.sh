@@ -24,7 +24,8 @@
 #             plans and runs a float16 decode and prefill, building or loading its kernels):
 #             `available` or `unavailable: <why>` in kernels.txt, never a failure;
 #   cuda      tests/test_cuda.py on the GPU (cuda_tests.log): the GPU verdict;
-#   fake      the other tests/test_cuda*.py and the fake-driver tests (fake_tests.log);
+#   fake      the other tests/test_cuda*.py and the fake-driver tests (fake_tests.log; without the
+#             default model, those marked needs_model are deselected);
 #   rest      the rest of the tests, only when the default model is in the cache (else skipped);
 #   bench-*   Table 7, Fig. 10, Fig. 8 and Fig. 9 into paper_repro/results/<device>/.
 # The exit status is 1 when a step failed; skipped steps and unavailable libraries are not failures.
@@ -270,9 +271,6 @@ for test in tests/test_cuda*.py tests/test_fake_cuda*.py tests/test_gpu_kernel_g
     [[ $test != tests/test_cuda.py ]] && fake_tests+=("$test")
 done
 shopt -u nullglob
-pytest_step cuda cuda_tests.log tests/test_cuda.py
-((${#fake_tests[@]})) && pytest_step fake fake_tests.log "${fake_tests[@]}"
-
 model_check() { # prints where the default model is, or why it cannot be used; status 0 when it is there
     "$PYTHON" -c '
 import sys
@@ -281,7 +279,14 @@ folder = default_model_dir()
 sys.exit(0 if is_converted(folder) else f"{folder} holds no converted model")
 ' 2>&1 | tail -n 1
 }
-if why=$(model_check); then
+model_here=1
+why=$(model_check) || model_here=0
+without_model=()
+((model_here)) || without_model=(-m "not needs_model") # the fake tests that load the model: deselected
+pytest_step cuda cuda_tests.log tests/test_cuda.py
+((${#fake_tests[@]})) && pytest_step fake fake_tests.log "${without_model[@]}" "${fake_tests[@]}"
+
+if ((model_here)); then
     ignored=()
     for test in tests/test_cuda.py "${fake_tests[@]}"; do ignored+=(--ignore "$test"); done
     pytest_step rest rest_tests.log tests "${ignored[@]}"

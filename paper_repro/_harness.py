@@ -69,8 +69,11 @@ CUDA_VARIANTS = (
     Variant("paged", "paged_flash_attn", 256, family="flash_attn"),
     Variant("virtual", "flashinfer_paged", family="flashinfer"),
     Variant("paged", "paged_flashinfer", 16, family="flashinfer"),
+    Variant("virtual", "sdpa", family="sdpa"),
+    Variant("paged", "paged_gather", 16, family="sdpa"),
 )
-"""On a GPU, each kernel family on either cache; flash-attn's paged path needs blocks of 256."""
+"""On a GPU, each kernel family on either cache; flash-attn's paged path needs blocks of 256.
+torch's SDPA, which needs no library, reads a paged cache only through a gather of its blocks."""
 UNAVAILABLE = (UnavailableError, ImportError)
 """What a variant raises when its library or device is not here: it is skipped, with the reason."""
 

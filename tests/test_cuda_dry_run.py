@@ -264,6 +264,7 @@ def test_fake_device_keeps_host_tensors_and_refuses_a_mix(fake_cuda: FakeCudaMod
             _ = device + host
 
 
+@pytest.mark.needs_model
 def test_engine_iterations_on_cuda(fake_cuda: FakeCudaMode, cache_kind: str) -> None:
     with fake_cuda, cuda_memory(cache_kind):
         engine = DryRunEngine(engine_config(cache_kind))
@@ -310,6 +311,7 @@ def test_engine_iterations_on_cuda(fake_cuda: FakeCudaMode, cache_kind: str) -> 
     assert sum(new for start, new, prompt in computed if start >= prompt) == len(PROMPTS) * (MAX_TOKENS - 1)
 
 
+@pytest.mark.needs_model
 def test_int8_weights_are_refused_on_cuda(fake_cuda: FakeCudaMode, cache_kind: str) -> None:
     with fake_cuda, cuda_memory(cache_kind), pytest.raises(UnavailableError, match="int8 quantization runs on the CPU"):
         LLMEngine(replace(engine_config(cache_kind), quantization="int8"))
