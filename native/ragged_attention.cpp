@@ -44,11 +44,24 @@ namespace {
 
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kMinChunkKeys = 128;  // below this a split costs more than it spreads
+constexpr float kMinScale = 1e-6f;
 
 struct Item {
   int64_t request, first_row, rows;
   int64_t key_begin, key_end;  // the keys this item reads; a chunk of the tile's when split
   int64_t partial;             // first lane of its partial results, or -1 when not split
+};
+
+// An int8 cache's scales: one float per (token, kv head), in a tensor shaped like the cache
+// without head_dim (`[slots, context, kv_heads]` or `[blocks, block_size, kv_heads]`); a row
+// of K or V holds round(x / scale), scale = its largest magnitude / 127 (vLLM's
+// int8_per_token_head). Empty for a float cache.
+struct Scales {
+  float* data = nullptr;
+  int64_t outer = 0, token = 0;
+  explicit Scales(const std::optional<at::Tensor>& scales) {
+    if (scales) data = scales->data_ptr<float>(), outer = scales->stride(0), token = scales->stride(1);
+  }
 };
 
 // Token j's row for kv head `kv` of request b: row reqids[b] of a [slots, context, kv_heads,
@@ -58,10 +71,14 @@ struct SlotRows {
   const KT* data;
   const int64_t* reqids;
   int64_t slot, token, head;
-  SlotRows(const at::Tensor& cache, const int64_t* ids)
+  Scales scales;
+  SlotRows(const at::Tensor& cache, const int64_t* ids, const std::optional<at::Tensor>& scale_tensor)
       : data(cache.const_data_ptr<KT>()), reqids(ids), slot(cache.stride(0)), token(cache.stride(1)),
-        head(cache.stride(2)) {}
+        head(cache.stride(2)), scales(scale_tensor) {}
   const KT* operator()(int64_t b, int64_t kv, int64_t j) const { return data + reqids[b] * slot + j * token + kv * head; }
+  float* scale(int64_t b, int64_t kv, int64_t j) const {
+    return scales.data + reqids[b] * scales.outer + j * scales.token + kv;
+  }
 };
 
 // The same row in a [blocks, block_size, kv_heads, head_dim] cache through request b's row
@@ -71,12 +88,16 @@ struct BlockRows {
   const KT* data;
   const int32_t* table;
   int64_t table_row, block_size, block, token, head;
-  BlockRows(const at::Tensor& cache, const at::Tensor& block_table)
+  Scales scales;
+  BlockRows(const at::Tensor& cache, const at::Tensor& block_table, const std::optional<at::Tensor>& scale_tensor)
       : data(cache.const_data_ptr<KT>()), table(block_table.const_data_ptr<int32_t>()),
         table_row(block_table.stride(0)), block_size(cache.size(1)), block(cache.stride(0)), token(cache.stride(1)),
-        head(cache.stride(2)) {}
+        head(cache.stride(2)), scales(scale_tensor) {}
   const KT* operator()(int64_t b, int64_t kv, int64_t j) const {
     return data + table[b * table_row + j / block_size] * block + (j % block_size) * token + kv * head;
+  }
+  float* scale(int64_t b, int64_t kv, int64_t j) const {
+    return scales.data + table[b * table_row + j / block_size] * scales.outer + (j % block_size) * scales.token + kv;
   }
 };
 
@@ -99,6 +120,10 @@ struct ScalarMath {
   static void widen(const T* const* rows, int64_t n, int64_t dim, float* dst) {
     for (int64_t j = 0; j < n; ++j)
       for (int64_t d = 0; d < dim; ++d) dst[j * dim + d] = static_cast<float>(rows[j][d]);
+  }
+  static void widen(const int8_t* const* rows, const float* scales, int64_t n, int64_t dim, float* dst) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < dim; ++d) dst[j * dim + d] = scales[j] * static_cast<float>(rows[j][d]);
   }
   static void dots(const float* q, const float* const* keys, int64_t n, int64_t dim, float* out) {
     for (int64_t j = 0; j < n; ++j) {
@@ -142,6 +167,16 @@ struct Avx2Math {
         const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + d)));
         _mm256_storeu_ps(dst + j * dim + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
       }
+  }
+  __attribute__((target("avx2,fma"))) static void widen(const int8_t* const* rows, const float* scales, int64_t n,
+                                                       int64_t dim, float* dst) {
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 scale = _mm256_set1_ps(scales[j]);
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[j] + d)));
+        _mm256_storeu_ps(dst + j * dim + d, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(wide)));
+      }
+    }
   }
   // out[i] = the sum of v[i]'s eight floats, for eight vectors: one transposing tree.
   __attribute__((target("avx2,fma"))) static __m256 sum8(const __m256* v) {
@@ -242,6 +277,16 @@ struct Avx512Math {
         const __m256i narrow = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + d));
         _mm512_storeu_ps(dst + j * dim + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow), 16)));
       }
+  }
+  __attribute__((target("avx512f,avx2,fma"))) static void widen(const int8_t* const* rows, const float* scales,
+                                                                int64_t n, int64_t dim, float* dst) {
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 scale = _mm512_set1_ps(scales[j]);
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + d)));
+        _mm512_storeu_ps(dst + j * dim + d, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(wide)));
+      }
+    }
   }
   __attribute__((target("avx512f,avx2,fma"))) static __m512 exp(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -440,7 +485,9 @@ void accumulate_lanes(float* const* acc, const float* const* p, int64_t count, c
 
 // Writes the new tokens' K or V (rows [starts[b], starts[b] + news[b]) of `fresh`, [tokens,
 // kv_heads, head_dim] in the query's dtype) at request b's positions [lengths[b] - news[b],
-// lengths[b]), rounded to the cache's dtype as torch's conversion rounds (to nearest even).
+// lengths[b]), rounded to the cache's dtype as torch's conversion rounds (to nearest even);
+// into an int8 cache, each (token, kv head) row quantized with its own scale (a zero row gets
+// kMinScale, as vLLM's 1e-6, so no scale is ever 0).
 // One pass inside the call that reads them: a decode step at one request is otherwise
 // dominated by the two indexed copies per layer that did this.
 template <typename QT, typename KT, typename Rows>
@@ -452,11 +499,20 @@ void store(const at::Tensor& fresh, const Rows& rows, const int64_t* starts, con
     for (int64_t j = 0; j < news[b]; ++j)
       for (int64_t kv = 0; kv < kv_heads; ++kv) {
         const QT* from = data + (starts[b] + j) * fresh.stride(0) + kv * fresh.stride(1);
-        KT* to = const_cast<KT*>(rows(b, kv, lengths[b] - news[b] + j));
-        if constexpr (std::is_same_v<QT, KT>)
+        const int64_t position = lengths[b] - news[b] + j;
+        KT* to = const_cast<KT*>(rows(b, kv, position));
+        if constexpr (std::is_same_v<KT, int8_t>) {
+          float largest = 0.0f;
+          for (int64_t d = 0; d < dim; ++d) largest = std::max(largest, std::abs(static_cast<float>(from[d])));
+          const float scale = std::max(largest / 127.0f, kMinScale);
+          for (int64_t d = 0; d < dim; ++d)
+            to[d] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(from[d]) / scale), -127.0f, 127.0f));
+          *rows.scale(b, kv, position) = scale;
+        } else if constexpr (std::is_same_v<QT, KT>) {
           std::copy(from, from + dim, to);
-        else
+        } else {
           for (int64_t d = 0; d < dim; ++d) to[d] = static_cast<KT>(static_cast<float>(from[d]));
+        }
       }
 }
 
@@ -503,7 +559,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
   std::vector<float> partial_max(partial_lanes), partial_sum(partial_lanes), partial_acc(partial_lanes * dim);
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, queries, acc, tops, totals, converted(kBlock * dim);
+    std::vector<float> scores, queries, acc, tops, totals, converted(kBlock * dim), row_scales(kBlock);
     std::vector<const float*> pointers(kBlock);
     std::vector<const KT*> sources(kBlock);
     std::vector<const float*> lane_queries(kTileRows * heads);
@@ -527,7 +583,8 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       auto seen = [&](int64_t r) { return std::clamp<int64_t>(first_pos + r + 1 - key_begin, 0, keys); };
       auto first_row = [&](int64_t j) { return std::max<int64_t>(0, key_begin + j - first_pos); };
       // One block of keys' (or values') rows for kv head `kv`, as floats: the cache's own rows,
-      // or (a float16 or bfloat16 cache, read at half the bytes) widened into `converted`.
+      // or (a float16 or bfloat16 cache, read at half the bytes, or an int8 one at a quarter)
+      // widened into `converted`, 16 rows at a time: never a copy of the request's K/V.
       auto block_rows = [&](const Rows& rows_of, int64_t kv, int64_t jb, int64_t n) -> const float* const* {
         for (int64_t j = 0; j < n; ++j) sources[j] = rows_of(b, kv, key_begin + jb + j);
         const int64_t ahead = jb + kPrefetchBlocks * kBlock;
@@ -538,7 +595,12 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
         if constexpr (std::is_same_v<KT, float>) {
           return sources.data();
         } else {
-          Math::widen(sources.data(), n, dim, converted.data());
+          if constexpr (std::is_same_v<KT, int8_t>) {
+            for (int64_t j = 0; j < n; ++j) row_scales[j] = *rows_of.scale(b, kv, key_begin + jb + j);
+            Math::widen(sources.data(), row_scales.data(), n, dim, converted.data());
+          } else {
+            Math::widen(sources.data(), n, dim, converted.data());
+          }
           for (int64_t j = 0; j < n; ++j) pointers[j] = converted.data() + j * dim;
           return pointers.data();
         }
@@ -637,6 +699,8 @@ void by_dtype(at::ScalarType qt, at::ScalarType kt, const F& f) {
     f.template operator()<Math, c10::Half, c10::Half>();
   } else if (qt == at::kFloat && kt == at::kHalf) {
     f.template operator()<Math, float, c10::Half>();
+  } else if (qt == at::kFloat && kt == at::kChar) {
+    f.template operator()<Math, float, int8_t>();
   } else {
     TORCH_CHECK(false, "unsupported dtypes: q ", qt, ", cache ", kt);
   }
@@ -713,13 +777,29 @@ bool check_fresh(const at::Tensor& q, const at::Tensor& cache, const std::option
   return true;
 }
 
+// An int8 cache's scales, which it needs, and a float cache's, which it has none of.
+void check_scales(const at::Tensor& cache, const std::optional<at::Tensor>& k_scales,
+                  const std::optional<at::Tensor>& v_scales) {
+  const bool int8 = cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k_scales.has_value() == int8 && v_scales.has_value() == int8,
+              int8 ? "an int8 cache needs k_scales and v_scales" : "only an int8 cache has scales");
+  if (!int8) return;
+  for (const at::Tensor* t : {&*k_scales, &*v_scales})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 &&
+                    t->sizes() == cache.sizes().slice(0, 3) && t->stride(2) == 1,
+                "k_scales and v_scales must be float32 CPU tensors shaped like the cache without head_dim, "
+                "contiguous kv heads");
+}
+
 void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& reqids, const at::Tensor& starts, const at::Tensor& new_tokens,
                       const at::Tensor& lengths, double scale, const std::optional<at::Tensor>& k,
-                      const std::optional<at::Tensor>& v) {
+                      const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_scales,
+                      const std::optional<at::Tensor>& v_scales) {
   const int64_t batch =
       check_batch(out, q, k_cache, v_cache, starts, new_tokens, lengths, "[slots, context, kv_heads, head_dim]");
   const bool fresh = check_fresh(q, k_cache, k, v);
+  check_scales(k_cache, k_scales, v_scales);
   TORCH_CHECK(reqids.device().is_cpu() && reqids.scalar_type() == at::kLong && reqids.dim() == 1 &&
                   reqids.is_contiguous() && reqids.size(0) == batch,
               "reqids must be a contiguous int64 CPU vector, one entry per request");
@@ -732,7 +812,7 @@ void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
   const int64_t* rows = starts.const_data_ptr<int64_t>();
   const int64_t* news = new_tokens.const_data_ptr<int64_t>();
   dispatch(q.scalar_type(), k_cache.scalar_type(), q.size(2), [&]<typename Math, typename QT, typename KT>() {
-    const SlotRows<KT> keys(k_cache, ids), values(v_cache, ids);
+    const SlotRows<KT> keys(k_cache, ids, k_scales), values(v_cache, ids, v_scales);
     if (fresh) {
       store<QT, KT>(*k, keys, rows, news, lens, batch);
       store<QT, KT>(*v, values, rows, news, lens, batch);
@@ -744,10 +824,12 @@ void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_blocks,
                      const at::Tensor& v_blocks, const at::Tensor& block_table, const at::Tensor& starts,
                      const at::Tensor& new_tokens, const at::Tensor& lengths, double scale,
-                     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v) {
+                     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                     const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales) {
   const int64_t batch =
       check_batch(out, q, k_blocks, v_blocks, starts, new_tokens, lengths, "[blocks, block_size, kv_heads, head_dim]");
   const bool fresh = check_fresh(q, k_blocks, k, v);
+  check_scales(k_blocks, k_scales, v_scales);
   TORCH_CHECK(block_table.device().is_cpu() && block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
                   block_table.stride(1) == 1 && block_table.size(0) == batch,
               "block_table must be an int32 CPU [batch, max_blocks] table, one row per request");
@@ -765,7 +847,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t* rows = starts.const_data_ptr<int64_t>();
   const int64_t* news = new_tokens.const_data_ptr<int64_t>();
   dispatch(q.scalar_type(), k_blocks.scalar_type(), q.size(2), [&]<typename Math, typename QT, typename KT>() {
-    const BlockRows<KT> keys(k_blocks, block_table), values(v_blocks, block_table);
+    const BlockRows<KT> keys(k_blocks, block_table, k_scales), values(v_blocks, block_table, v_scales);
     if (fresh) {
       store<QT, KT>(*k, keys, rows, news, lens, batch);
       store<QT, KT>(*v, values, rows, news, lens, batch);
@@ -777,13 +859,16 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 }  // namespace
 
 TORCH_LIBRARY(vattn, m) {
-  // With k and v, the new tokens' K/V are written into the caches first (hence their (b!), (c!)).
+  // With k and v, the new tokens' K/V are written into the caches first (hence their (b!), (c!)),
+  // and into an int8 cache's scales (d!), (e!).
   m.def(
       "ragged_attention(Tensor(a!) out, Tensor q, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor reqids, "
-      "Tensor starts, Tensor new_tokens, Tensor lengths, float scale, Tensor? k=None, Tensor? v=None) -> ()");
+      "Tensor starts, Tensor new_tokens, Tensor lengths, float scale, Tensor? k=None, Tensor? v=None, "
+      "Tensor(d!)? k_scales=None, Tensor(e!)? v_scales=None) -> ()");
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor(b!) k_blocks, Tensor(c!) v_blocks, Tensor block_table, "
-      "Tensor starts, Tensor new_tokens, Tensor lengths, float scale, Tensor? k=None, Tensor? v=None) -> ()");
+      "Tensor starts, Tensor new_tokens, Tensor lengths, float scale, Tensor? k=None, Tensor? v=None, "
+      "Tensor(d!)? k_scales=None, Tensor(e!)? v_scales=None) -> ()");
   m.def("attention_simd(int head_dim) -> str", &simd_for);
 }
 

@@ -14,7 +14,9 @@ from vattn.sizes import KiB, MiB
 from vattn.validate import is_int, require_positive_int
 
 KV_CACHES = ("virtual", "paged")
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+MODEL_DTYPES = {name: dtype for name, dtype in DTYPES.items() if dtype.is_floating_point}
+"""The model's precisions (the KV cache's may also be int8)."""
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "int8")
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,8 @@ class EngineConfig:
         require_positive_int("max_batched_tokens", self.max_batched_tokens)
         if not is_int(self.reserve_tokens) or self.reserve_tokens < 0:
             raise ValueError(f"reserve_tokens must be an integer >= 0, got {self.reserve_tokens!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {self.kv_cache!r}")
         require_positive_int("block_size", self.block_size)
@@ -103,9 +105,10 @@ class EngineConfig:
                 f"kv_cache_dtype {self.kv_cache_dtype} needs a float32 model (dtype float32); with dtype "
                 f"{self.dtype}, use kv_cache_dtype auto"
             )
-        kernel = self.attention_kernel
-        if self.kv_cache != "virtual" or not KERNELS[kernel].reads_narrower_cache:
-            readers = ", ".join(name for name, k in KERNELS.items() if k.reads_narrower_cache)
+        kernel, int8 = self.attention_kernel, self.kv_cache_dtype == "int8"
+        reads = (lambda k: k.reads_int8_cache) if int8 else (lambda k: k.reads_narrower_cache)
+        if self.kv_cache != "virtual" or not reads(KERNELS[kernel]):
+            readers = ", ".join(name for name, k in KERNELS.items() if reads(k))
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype} is read only by the {readers} kernel on the virtual cache "
                 f"(host backend); this configuration runs {kernel} on the {self.kv_cache} cache: use "
@@ -123,7 +126,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return MODEL_DTYPES[self.dtype]
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:

@@ -31,6 +31,13 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     return scores.softmax(-1) @ v
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 cache's rows as vattn stores them: per (token, kv head) of `x` [tokens, heads, dim],
+    scale = max(largest magnitude / 127, 1e-6) and round(x / scale) to even, in float32."""
+    scales = torch.clamp(x.abs().amax(-1) / 127.0, min=1e-6)
+    return torch.round(x / scales[..., None]).clamp(-127, 127).to(torch.int8), scales
+
+
 def check_kernel(
     name: str,
     cache: KVCache | PagedKVCache,
@@ -48,8 +55,11 @@ def check_kernel(
     history: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
     lengths = dict.fromkeys(reqids, 0)
 
+    quantized = getattr(cfg, "quantized", False)
+    model_dtype = torch.float32 if quantized else cfg.dtype
+
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(cfg.dtype)
+        return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(model_dtype)
 
     for new_tokens in iterations:
         names = list(new_tokens)
@@ -62,15 +72,26 @@ def check_kernel(
             q = rand(total, query_heads, cfg.head_dim)
             k, v = rand(total, cfg.num_kv_heads, cfg.head_dim), rand(total, cfg.num_kv_heads, cfg.head_dim)
             out = kernel.forward(layer, batch, q, k, v)
-            assert out.shape == q.shape and out.dtype == cfg.dtype
+            assert out.shape == q.shape and out.dtype == model_dtype
             for i, request in enumerate(names):
                 rows = slice(batch.starts[i], batch.starts[i + 1])
                 old_k, old_v = history.get((request, layer), (k[:0], v[:0]))
                 full_k, full_v = torch.cat([old_k, k[rows]]), torch.cat([old_v, v[rows]])
                 history[(request, layer)] = (full_k, full_v)
-                stored_k, stored_v = cache.kv(layer, reqids[request])
-                assert torch.equal(stored_k, full_k) and torch.equal(stored_v, full_v), f"{request} K/V not stored"
-                expected = reference_attention(q[rows].transpose(0, 1), full_k, full_v, causal=True)
+                stored = cache.kv(layer, reqids[request])
+                if quantized:  # the int8 rows and scales exactly as quantized; attention over their product
+                    scales = cache.kv_scales(layer, reqids[request])  # type: ignore[union-attr]
+                    read = []
+                    for full, values, scale in zip((full_k, full_v), stored, scales, strict=True):
+                        expected_values, expected_scales = quantize_rows(full)
+                        assert torch.equal(values, expected_values), f"{request} int8 K/V not stored"
+                        assert torch.equal(scale, expected_scales), f"{request} K/V scales not stored"
+                        read.append(values.float() * scale[..., None])
+                    full_k_read, full_v_read = read
+                else:
+                    assert torch.equal(stored[0], full_k) and torch.equal(stored[1], full_v), f"{request} K/V lost"
+                    full_k_read, full_v_read = full_k, full_v
+                expected = reference_attention(q[rows].transpose(0, 1), full_k_read, full_v_read, causal=True)
                 torch.testing.assert_close(out[rows].transpose(0, 1).double(), expected, rtol=tolerance, atol=tolerance)
 
 

@@ -50,6 +50,22 @@ def test_cpu_kernels_in_half_precision(make_cache: MakeCache, kernel: str, dtype
     check_kernel(kernel, make_cache(dtype=dtype), query_heads=4, tolerance=2e-2)
 
 
+@pytest.mark.parametrize("layout", ["per_layer", "mega"])
+def test_ragged_kernel_reads_and_writes_an_int8_cache(make_cache: MakeCache, layout: str) -> None:
+    """Stored rows and scales exactly as quantized per (token, kv head); attention over them
+    within float32 rounding, through chunked prefill, decodes and a split long context."""
+    check_kernel("ragged", make_cache(dtype="int8", layout=layout), query_heads=8, tolerance=1e-5)
+    long_context = [{"a": 600, "b": 20}, {"a": 20, "b": 1}, {"a": 1, "b": 1}, {"a": 1}]
+    check_kernel("ragged", make_cache(dtype="int8"), query_heads=8, tolerance=1e-5, iterations=long_context)
+
+
+def test_kernels_that_cannot_read_int8_refuse_it_when_made(make_cache: MakeCache) -> None:
+    cache = make_cache(dtype="int8")
+    for name in [n for n in KERNELS if n != "ragged"]:
+        with pytest.raises(ValueError, match=f"the {name} kernel cannot read an int8 KV cache; the kernels that can: "):
+            make_kernel(name, cache, num_query_heads=8)
+
+
 # The ragged kernel against float64 attention for head dims that take each SIMD body (and, on
 # AVX-512, every width of its many-lane value sums: 64 + 48, 48), over
 # lengths that end mid-block (blocks of 16 keys) and chunks whose rows end mid-block, with

@@ -48,6 +48,30 @@ def kv_value(ids: tuple[int, ...]) -> float:
     return float(hash(ids) % 1_000_003)
 
 
+def stored(tokens: torch.Tensor, layer: int, quantized: bool) -> tuple[torch.Tensor, ...]:
+    """What a request stores in `layer` for KV values `tokens`: one value per K and V row, or in
+    an int8 cache a small int8 per row and its K and V scales (the values themselves)."""
+    keys, values = tokens + layer, -tokens - layer
+    if not quantized:
+        return keys, values
+    return (keys % 251 - 125).to(torch.int8), (values % 251 - 125).to(torch.int8), keys, values
+
+
+def write(cache: KVCache, layer: int, reqid: int, start: int, tokens: torch.Tensor) -> None:
+    """Stores `tokens[start:]` at positions `start:` of the request's K and V (and scales)."""
+    views = cache.kv(layer, reqid)
+    if cache.config.quantized:
+        views += cache.kv_scales(layer, reqid)
+    for view, part in zip(views, stored(tokens[start:], layer, cache.config.quantized), strict=True):
+        view[start:] = part.view(-1, *[1] * (view.dim() - 1))
+
+
+def assert_holds(views: tuple[torch.Tensor, ...], tokens: torch.Tensor, layer: int) -> None:
+    """K and V views (then scale views, for an int8 cache) read exactly what `tokens` stored."""
+    for view, part in zip(views, stored(tokens, layer, len(views) == 4), strict=True):
+        assert torch.equal(view, part.view(-1, *[1] * (view.dim() - 1)).expand_as(view))
+
+
 @dataclass
 class Generation:
     """One request's token ids and the values it stored; frozen when it is freed (or its cache closed)."""
@@ -69,13 +93,13 @@ class KeptView:
     reqid: int
     generation: Generation
     layer: int
-    keys: torch.Tensor
-    values: torch.Tensor
+    views: tuple[torch.Tensor, ...]
+    """K and V (then their scales, for an int8 cache)."""
     written: torch.Tensor = field(init=False)
     """What the request had written at each position when the view was taken."""
 
     def __post_init__(self) -> None:
-        self.written = self.generation.tokens[: len(self.keys)].clone()
+        self.written = self.generation.tokens[: len(self.views[0])].clone()
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -95,13 +119,18 @@ class CacheMachine(RuleBasedStateMachine):
         self.prompts: list[list[int]] = []
         """Token ids of cached prefixes, for later prompts to begin with."""
 
-    @initialize(layout=st.sampled_from(["per_layer", "mega"]), native=st.booleans(), budget_steps=st.integers(8, 40))
-    def open_cache(self, layout: str, native: bool, budget_steps: int) -> None:
+    @initialize(
+        layout=st.sampled_from(["per_layer", "mega"]),
+        native=st.booleans(),
+        budget_steps=st.integers(8, 40),
+        dtype=st.sampled_from(["float32", "int8"]),
+    )
+    def open_cache(self, layout: str, native: bool, budget_steps: int, dtype: str) -> None:
         config = KVCacheConfig(
             num_layers=LAYERS,
             num_kv_heads=self.kv_heads,
             head_dim=self.head_dim,
-            dtype="float32",
+            dtype=dtype,
             max_slots=MAX_SLOTS,
             max_context=self.max_context,
             page_size=self.page_size,
@@ -133,7 +162,7 @@ class CacheMachine(RuleBasedStateMachine):
         return {
             v.reqid
             for v in self.views
-            if v.cache is self.cache and len(v.keys) and self.generations.get(v.reqid) is not v.generation
+            if v.cache is self.cache and len(v.views[0]) and self.generations.get(v.reqid) is not v.generation
         }
 
     @rule()
@@ -194,9 +223,7 @@ class CacheMachine(RuleBasedStateMachine):
             grown = generation.grown(ids, self.cache.device)
             generation.tokens, generation.ids = grown.tokens, grown.ids
             for layer in range(LAYERS):
-                keys, values = self.cache.kv(layer, reqid)
-                keys[old:] = grown.tokens[old:, None, None] + layer
-                values[old:] = -grown.tokens[old:, None, None] - layer
+                write(self.cache, layer, reqid, old, grown.tokens)
         if remember:  # as the engine does after each iteration
             for reqid in lengths:
                 self.cache_prefix_of(reqid)
@@ -250,8 +277,10 @@ class CacheMachine(RuleBasedStateMachine):
         """A caller keeps a request's views past anything that follows."""
         reqid = choose(data, self.live)
         layer = data.draw(st.integers(0, LAYERS - 1))
-        keys, values = self.cache.kv(layer, reqid)
-        self.views.append(KeptView(self.cache, reqid, self.generations[reqid], layer, keys, values))
+        views = self.cache.kv(layer, reqid)
+        if self.cache.config.quantized:
+            views += self.cache.kv_scales(layer, reqid)
+        self.views.append(KeptView(self.cache, reqid, self.generations[reqid], layer, views))
 
     @precondition(lambda self: self.views)
     @rule(data=st.data())
@@ -276,8 +305,8 @@ class CacheMachine(RuleBasedStateMachine):
             code = 1
             try:
                 for view in self.views:
-                    view.keys.fill_(-1.0)
-                    view.values.fill_(-1.0)
+                    for tensor in view.views:
+                        tensor.fill_(-1)
                 try:
                     self.cache.alloc_reqid()
                 except RuntimeError:
@@ -306,9 +335,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert stats.waste_bytes == stats.mapped_bytes - stats.used_bytes
         for reqid, tokens in self.tokens.items():
             for layer in range(LAYERS):
-                keys, values = cache.kv(layer, reqid)
-                assert torch.equal(keys, (tokens + layer)[:, None, None].expand_as(keys))
-                assert torch.equal(values, (-tokens - layer)[:, None, None].expand_as(values))
+                views = cache.kv(layer, reqid) + (cache.kv_scales(layer, reqid) if config.quantized else ())
+                assert_holds(views, tokens, layer)
 
     @invariant()
     def kept_views_read_only_their_own_requests_writes(self) -> None:
@@ -316,10 +344,8 @@ class CacheMachine(RuleBasedStateMachine):
         wrote; every other kept position still holds one of its own writes."""
         for view in self.views:
             now = view.generation.tokens
-            same = min(len(view.keys), len(now))
-            expected = torch.cat([now[:same], view.written[same:]])
-            assert torch.equal(view.keys, (expected + view.layer)[:, None, None].expand_as(view.keys))
-            assert torch.equal(view.values, (-expected - view.layer)[:, None, None].expand_as(view.values))
+            same = min(len(view.views[0]), len(now))
+            assert_holds(view.views, torch.cat([now[:same], view.written[same:]]), view.layer)
 
 
 def run_machine(machine: type[CacheMachine], examples: int, steps: int, min_operations: int) -> None:

@@ -92,9 +92,14 @@ class AttentionKernel(ABC):
     name: str
     reads_narrower_cache = False
     """Whether float32 q/k/v may attend over a float16 or bfloat16 cache (widened as it is read)."""
+    reads_int8_cache = False
+    """Whether it reads an int8 cache's values and scales (float32 q/k/v, quantized as stored)."""
 
     def __init__(self, cache: KVCache, num_query_heads: int) -> None:
         cfg = cache.config
+        if getattr(cfg, "quantized", False) and not self.reads_int8_cache:
+            readers = ", ".join(sorted(k.name for k in kernel_classes() if k.reads_int8_cache))
+            raise ValueError(f"the {self.name} kernel cannot read an int8 KV cache; the kernels that can: {readers}")
         if not is_int(num_query_heads) or num_query_heads <= 0 or num_query_heads % cfg.num_kv_heads:
             raise ValueError(
                 f"num_query_heads must be a positive multiple of num_kv_heads ({cfg.num_kv_heads}), "
@@ -148,7 +153,8 @@ class AttentionKernel(ABC):
             "k": (k, (batch.num_tokens, cfg.num_kv_heads, cfg.head_dim)),
             "v": (v, (batch.num_tokens, cfg.num_kv_heads, cfg.head_dim)),
         }
-        dtypes = {cfg.dtype, torch.float32} if self.reads_narrower_cache else {cfg.dtype}
+        narrower = self.reads_narrower_cache or self.reads_int8_cache
+        dtypes = {torch.float32} if cfg.dtype == torch.int8 else {cfg.dtype, torch.float32} if narrower else {cfg.dtype}
         for name, (tensor, shape) in expected.items():
             if tuple(tensor.shape) != shape or tensor.dtype not in dtypes or tensor.device != self.cache.device:
                 raise ValueError(
@@ -157,13 +163,13 @@ class AttentionKernel(ABC):
                 )
         return self._forward(self._layer_kv(layer), batch, q, k, v)
 
-    def _layer_kv(self, layer: int) -> tuple[Tensor, Tensor]:
-        """The layer's K and V tensors, as `_forward` reads them."""
+    def _layer_kv(self, layer: int) -> tuple[Tensor, ...]:
+        """The layer's K and V tensors (and whatever else of the layer's), as `_forward` reads them."""
         return self.cache.layer_tensors(layer)
 
     @abstractmethod
-    def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Stores k/v into `kv` (the layer's K and V virtual tensors) and attends."""
+    def _forward(self, kv: tuple[Tensor, ...], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Stores k/v into `kv` (the layer's K and V virtual tensors, from `_layer_kv`) and attends."""
 
     @staticmethod
     def _store(kv: tuple[Tensor, Tensor], batch: AttentionBatch, k: Tensor, v: Tensor) -> None:
@@ -172,6 +178,17 @@ class AttentionKernel(ABC):
         index = (batch.token_reqids, batch.token_positions)
         kv[0].index_put_(index, k.to(kv[0].dtype))
         kv[1].index_put_(index, v.to(kv[1].dtype))
+
+
+def kernel_classes() -> list[type[AttentionKernel]]:
+    """Every concrete kernel defined so far (the virtual cache's and the paged baseline's)."""
+    found, pending = [], list(AttentionKernel.__subclasses__())
+    while pending:
+        kernel = pending.pop()
+        pending += kernel.__subclasses__()
+        if hasattr(kernel, "name"):
+            found.append(kernel)
+    return found
 
 
 def sdpa_request(query: Tensor, keys: Tensor, values: Tensor, length: int, scale: float) -> Tensor:

@@ -18,7 +18,14 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
+    "int8": torch.int8,
 }
+"""int8 keeps each token's K (and V) per kv head as round(x / scale) with its own float32
+scale, its largest magnitude / 127 (vLLM's int8_per_token_head): the scales sit after the
+values in each token's row of the same virtual tensor, so they are mapped, shared, copied and
+leased with the values and need no page schedule of their own."""
+SCALE_BYTES = 4
+"""A float32 scale per (token, kv head) in an int8 cache."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,11 @@ class KVCacheConfig:
             object.__setattr__(self, "dtype", DTYPES[self.dtype])
         if self.dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype == torch.int8 and self.num_kv_heads * self.head_dim % SCALE_BYTES:
+            raise ValueError(
+                f"an int8 cache needs num_kv_heads x head_dim divisible by {SCALE_BYTES} (its float32 scales "
+                f"follow the values), got {self.num_kv_heads} x {self.head_dim}"
+            )
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if not 0.0 <= self.reclaim_watermark < 1.0:
@@ -89,10 +101,20 @@ class KVCacheConfig:
         return 2 * self.num_layers if self.layout == "per_layer" else 2
 
     @cached_property
+    def quantized(self) -> bool:
+        """int8 values with a scale per (token, kv head)."""
+        return self.dtype == torch.int8
+
+    @cached_property
+    def layer_row_bytes(self) -> int:
+        """Bytes of one token's K (or V) in one layer: its values, then an int8 cache's scales."""
+        values = self.num_kv_heads * self.head_dim * self.element_size
+        return values + (SCALE_BYTES * self.num_kv_heads if self.quantized else 0)
+
+    @cached_property
     def bytes_per_token(self) -> int:
         """Bytes one token occupies in one virtual tensor."""
-        per_layer = self.num_kv_heads * self.head_dim * self.element_size
-        return per_layer if self.layout == "per_layer" else per_layer * self.num_layers
+        return self.layer_row_bytes if self.layout == "per_layer" else self.layer_row_bytes * self.num_layers
 
     @cached_property
     def slot_pages(self) -> int:
@@ -146,7 +168,7 @@ class KVCacheConfig:
     @cached_property
     def tensor_strides(self) -> tuple[int, ...]:
         """Element strides of `tensor_shape`: slots `slot_stride` bytes apart, the rest packed."""
-        row = self.num_kv_heads * self.head_dim
+        row = self.layer_row_bytes // self.element_size
         per_token = (row,) if self.layout == "per_layer" else (self.num_layers * row, row)
         return (self.slot_stride // self.element_size, *per_token, self.head_dim, 1)
 
@@ -163,13 +185,24 @@ class KVCacheConfig:
         elements `flat` of `dtype` that start at a slot's row of a virtual tensor and span
         `rows_bytes(rows or 1, length)` (no copy)."""
         heads, dim = self.num_kv_heads, self.head_dim
-        if self.layout == "per_layer" and rows is None:
+        if self.layout == "per_layer" and rows is None and not self.quantized:
             return flat.view(length, heads, dim)
         slot, token, *_ = self.tensor_strides
-        offset = 0 if self.layout == "per_layer" else layer * heads * dim
+        offset = 0 if self.layout == "per_layer" else layer * self.layer_row_bytes // self.element_size
         if rows is None:
             return flat.as_strided((length, heads, dim), (token, dim, 1), offset)
         return flat.as_strided((rows, length, heads, dim), (slot, token, dim, 1), offset)
+
+    def scales_view(self, flat: torch.Tensor, layer: int, length: int, rows: int | None = None) -> torch.Tensor:
+        """An int8 cache's float32 scales, `[rows, length, kv_heads]` (`[length, kv_heads]` if
+        `rows` is None), over the same elements `flat` as `rows_view` (no copy)."""
+        words = flat.view(torch.float32)
+        slot, token = self.slot_stride // SCALE_BYTES, self.bytes_per_token // SCALE_BYTES
+        values = self.num_kv_heads * self.head_dim * self.element_size
+        offset = ((0 if self.layout == "per_layer" else layer * self.layer_row_bytes) + values) // SCALE_BYTES
+        if rows is None:
+            return words.as_strided((length, self.num_kv_heads), (token, 1), offset)
+        return words.as_strided((rows, length, self.num_kv_heads), (slot, token, 1), offset)
 
     def page_offset(self, slot: int, page: int) -> int:
         """Byte offset of page `page` of slot `slot` inside any one virtual tensor."""

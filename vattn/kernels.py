@@ -49,6 +49,7 @@ class RaggedKernel(AttentionKernel):
 
     name = "ragged"
     reads_narrower_cache = True
+    reads_int8_cache = True
 
     def __init__(self, cache: KVCache, num_query_heads: int) -> None:
         super().__init__(cache, num_query_heads)
@@ -61,9 +62,15 @@ class RaggedKernel(AttentionKernel):
         columns = (batch.reqids, batch.starts[:-1], batch.new_tokens, batch.lengths)
         return replace(batch, wrapper=tuple(torch.tensor(column, dtype=torch.int64) for column in columns))
 
-    def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def _layer_kv(self, layer: int) -> tuple[Tensor, ...]:
+        """K and V, and an int8 cache's K and V scales after them."""
+        kv = self.cache.layer_tensors(layer)
+        return (*kv, *self.cache.layer_scales(layer)) if self.cache.config.quantized else kv
+
+    def _forward(self, kv: tuple[Tensor, ...], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = torch.empty_like(q)
-        self._attend(out, q, *kv, *batch.wrapper, self.scale, k, v)  # stores k, v, then attends
+        keys, values, *scales = kv
+        self._attend(out, q, keys, values, *batch.wrapper, self.scale, k, v, *scales)  # stores k, v, then attends
         return out
 
 

@@ -44,7 +44,7 @@ class KVCache:
         self._pool = PagePool(self.backend, config.pool_pages)
         self._prefix = PrefixCache(self._pool)
         memory = CacheMemory(config, self.backend, self._slots, self._pool)
-        whole, self._layers = memory.open()
+        whole, self._layers, self._scales = memory.open()
         """Each layer's K and V virtual tensors, for the kernels (`layer_tensors`)."""
         self._memory: CacheMemory | None = memory
         """Held while open; afterwards only views hold it (see close)."""
@@ -196,6 +196,17 @@ class KVCache:
             slot = self._active_slot(reqid)
             return self._open_memory().views(layer, [slot], slot.length, None, self.device)
 
+    def kv_scales(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An int8 cache's K and V scales of one request in one layer, float32 `[length, kv_heads]`
+        views that hold its slot as `kv`'s do: value d of head h at token t is `kv(...)[0][t, h, d]
+        * kv_scales(...)[0][t, h]`."""
+        with self._lock:
+            self._check_open()
+            self._require_quantized()
+            layer = self._layer_index(layer)
+            slot = self._active_slot(reqid)
+            return self._open_memory().views(layer, [slot], slot.length, None, self.device, scales=True)
+
     def kv_batch(self, layer: int, reqids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[len(reqids), max length, kv_heads, head_dim]` for padded batched attention.
 
@@ -209,6 +220,8 @@ class KVCache:
             layer = self._layer_index(layer)
             if not reqids:
                 raise ValueError("kv_batch needs at least one reqid")
+            if self.config.quantized:
+                raise ValueError("kv_batch pads float K/V; an int8 cache's need their scales: use kv and kv_scales")
             slots = [self._active_slot(r) for r in reqids]
             return self._open_memory().padded_batch(layer, self._layers[layer], slots, self.device)
 
@@ -235,6 +248,14 @@ class KVCache:
         with self._lock:
             self._check_open()
             return self._layers[self._layer_index(layer)]
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An int8 cache's K and V scales of one layer, `[max_slots, max_context, kv_heads]`, for
+        the kernels under the same rule as `layer_tensors`."""
+        with self._lock:
+            self._check_open()
+            self._require_quantized()
+            return self._scales[self._layer_index(layer)]
 
     def page_table(self, reqid: int) -> list[list[int]]:
         """Physical pages behind a request: entry k lists page k of each virtual tensor."""
@@ -306,6 +327,7 @@ class KVCache:
         if self._stop_mapper:
             self._stop_mapper()
         self._layers.clear()
+        self._scales.clear()
         memory, self._memory = self._memory, None
         if memory and self._whole() is None and not any(slot.pinned() for slot in self._slots):
             memory.release()  # here, so that errors reach the caller
@@ -317,6 +339,10 @@ class KVCache:
         self.close()
 
     # ---------------------------------------------------------------- internals
+
+    def _require_quantized(self) -> None:
+        if not self.config.quantized:
+            raise ValueError(f"only an int8 cache has scales; this one is {self.config.dtype}")
 
     def _layer_index(self, layer: int) -> int:
         return exact_int(layer, "layer", 0, self.config.num_layers - 1)

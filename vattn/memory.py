@@ -36,10 +36,13 @@ class CacheMemory:
         self.release = weakref.finalize(self, _release, config, backend, self.bases, slots, pool, self.stranded)
         self.release.atexit = False  # at exit live views may still be read; the process frees it all
 
-    def open(self) -> tuple[Lease, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def open(
+        self,
+    ) -> tuple[Lease, list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
         """Reserves the address space and returns a lease on no slot with, over it, each layer's
-        K and V `[slots, context, kv_heads, head_dim]` virtual tensors (the kernels'); releases
-        what it reserved if anything fails."""
+        K and V `[slots, context, kv_heads, head_dim]` virtual tensors (the kernels') and, for an
+        int8 cache, their `[slots, context, kv_heads]` scales (else no scales); releases what it
+        reserved if anything fails."""
         cfg = self.config
         try:
             for _ in range(cfg.num_buffers):
@@ -54,7 +57,11 @@ class CacheMemory:
             tuple(cfg.rows_view(buffers[b], layer, context, rows) for b in cfg.kv_buffers(layer))
             for layer in range(cfg.num_layers)
         ]
-        return whole, layers  # type: ignore[return-value]
+        scales = [
+            tuple(cfg.scales_view(buffers[b], layer, context, rows) for b in cfg.kv_buffers(layer))
+            for layer in range(cfg.num_layers if cfg.quantized else 0)
+        ]
+        return whole, layers, scales  # type: ignore[return-value]
 
     def padded_batch(
         self, layer: int, layer_tensors: tuple[torch.Tensor, torch.Tensor], slots: list[Slot], device: torch.device
@@ -76,21 +83,24 @@ class CacheMemory:
         return keys[:, :length].index_select(0, index), values[:, :length].index_select(0, index)
 
     def views(
-        self, layer: int, slots: list[Slot], length: int, rows: int | None, device: torch.device
+        self, layer: int, slots: list[Slot], length: int, rows: int | None, device: torch.device, scales: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V views (`rows_view`) of consecutive slots over storages of their own, which
-        hold a lease on exactly those slots (the cache's lock held)."""
+        """K and V views (`rows_view`, or an int8 cache's `scales_view` when `scales`) of
+        consecutive slots over storages of their own, which hold a lease on exactly those slots
+        (the cache's lock held)."""
         cfg = self.config
         if length == 0:
-            shape = (0, cfg.num_kv_heads, cfg.head_dim) if rows is None else (rows, 0, cfg.num_kv_heads, cfg.head_dim)
-            empty = torch.empty(shape, dtype=cfg.dtype, device=device)
+            inner = (cfg.num_kv_heads,) if scales else (cfg.num_kv_heads, cfg.head_dim)
+            shape = (0, *inner) if rows is None else (rows, 0, *inner)
+            empty = torch.empty(shape, dtype=torch.float32 if scales else cfg.dtype, device=device)
             return empty, empty.clone()
         lease = Lease(self, slots)
         offset, nbytes = slots[0].index * cfg.slot_stride, cfg.rows_bytes(rows or 1, length)
         k, v = (
             self.backend.tensor(self.bases[b] + offset, nbytes, lease, True, cfg.dtype) for b in cfg.kv_buffers(layer)
         )
-        return cfg.rows_view(k, layer, length, rows), cfg.rows_view(v, layer, length, rows)
+        view = cfg.scales_view if scales else cfg.rows_view
+        return view(k, layer, length, rows), view(v, layer, length, rows)
 
 
 class Lease:

@@ -12,11 +12,10 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
-from serving.config import KV_CACHE_DTYPES, KV_CACHES, EngineConfig
+from serving.config import KV_CACHE_DTYPES, KV_CACHES, MODEL_DTYPES, EngineConfig
 from serving.linear import QUANTIZATIONS
 from serving.server.settings import LOOPBACK_HOSTS, ServerSettings
 from vattn.backends import BACKENDS
-from vattn.config import DTYPES
 from vattn.kernels import KERNELS
 from vattn.paged import PAGED_KERNELS
 from vattn.sizes import parse_size, size_label
@@ -80,7 +79,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model (vLLM's positional form)")
     serve.add_argument("--model", help="safetensors folder or .gguf file (default: SmolLM2-135M-Instruct)")
     serve.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's own)")
-    serve.add_argument("--dtype", default=defaults.dtype, choices=list(DTYPES), help="weights and KV precision")
+    serve.add_argument("--dtype", default=defaults.dtype, choices=list(MODEL_DTYPES), help="weights and KV precision")
     serve.add_argument("--host", default=server.host, help="address to bind; 0.0.0.0 exposes the server")
     serve.add_argument("--port", type=int, default=server.port, help="port to bind")
     serve.add_argument(
@@ -138,8 +137,9 @@ def parser() -> argparse.ArgumentParser:
         "--kv-cache-dtype",
         default=defaults.kv_cache_dtype,
         choices=KV_CACHE_DTYPES,
-        help="KV cache precision: auto (as --dtype), float16 or bfloat16 (half a float32 model's KV bytes; "
-        "the ragged kernel only)",
+        help="KV cache precision: auto (as --dtype), float16 or bfloat16 (half a float32 model's KV bytes), "
+        "int8 (a quarter, plus a float32 scale per token and KV head, vLLM's int8_per_token_head); the "
+        "ragged kernel only, with a float32 model",
     )
     serve.add_argument("--max-queue", type=int, default=server.max_queue, help="requests that may wait; more get 429")
     serve.add_argument(

@@ -50,6 +50,8 @@ class PagedKVCacheConfig:
             if self.dtype not in DTYPES:
                 raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
             object.__setattr__(self, "dtype", DTYPES[self.dtype])
+        if self.dtype == torch.int8:
+            raise ValueError("the paged baseline has no int8 KV yet: use float32, float16 or bfloat16")
         if self.memory_budget is not None:
             require_positive_int("memory_budget", self.memory_budget)
             if self.num_blocks < 1:
