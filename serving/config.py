@@ -106,9 +106,16 @@ class EngineConfig:
                 f"{self.dtype}, use kv_cache_dtype auto"
             )
         kernel, int8 = self.attention_kernel, self.kv_cache_dtype == "int8"
-        reads = (lambda k: k.reads_int8_cache) if int8 else (lambda k: k.reads_narrower_cache)
-        if self.kv_cache != "virtual" or not reads(KERNELS[kernel]):
-            readers = ", ".join(name for name, k in KERNELS.items() if reads(k))
+        if int8:  # the virtual cache's and the paged baseline's own CPU kernels
+            readers = [name for name, k in {**KERNELS, **PAGED_KERNELS}.items() if k.reads_int8_cache]
+            if kernel not in readers:
+                raise ValueError(
+                    f"kv_cache_dtype int8 is read only by the {' and '.join(readers)} kernels (virtual and paged "
+                    f"cache, host backend); this configuration runs {kernel}: use kv_cache_dtype auto, or one of them"
+                )
+            return
+        if self.kv_cache != "virtual" or not KERNELS[kernel].reads_narrower_cache:
+            readers = ", ".join(name for name, k in KERNELS.items() if k.reads_narrower_cache)
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype} is read only by the {readers} kernel on the virtual cache "
                 f"(host backend); this configuration runs {kernel} on the {self.kv_cache} cache: use "

@@ -193,8 +193,8 @@ def test_a_narrower_kv_cache_cuts_the_bytes_and_keeps_the_scores(llm: LLM, kv_ca
     [
         ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of auto, float16, bfloat16, int8"),
         ({"kv_cache_dtype": "int8", "dtype": "bfloat16"}, "needs a float32 model"),
-        ({"kv_cache_dtype": "int8", "kernel": "sdpa"}, "read only by the ragged kernel"),
-        ({"kv_cache_dtype": "int8", "kv_cache": "paged"}, "read only by the ragged kernel"),
+        ({"kv_cache_dtype": "int8", "kernel": "sdpa"}, "int8 is read only by the ragged and paged kernels"),
+        ({"kv_cache_dtype": "int8", "kv_cache": "paged", "kernel": "paged_gather"}, "runs paged_gather"),
         ({"dtype": "int8"}, "dtype must be one of float16, bfloat16, float32"),
         ({"kv_cache_dtype": "float16", "dtype": "bfloat16"}, "needs a float32 model"),
         ({"kv_cache_dtype": "float16", "kernel": "sdpa"}, "read only by the ragged kernel"),

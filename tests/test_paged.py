@@ -43,6 +43,18 @@ def test_paged_kernels_in_half_precision(kernel: str, dtype: str) -> None:
     check_kernel(kernel, paged_cache(dtype=dtype), query_heads=4, tolerance=2e-2)
 
 
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_the_paged_kernel_reads_and_writes_an_int8_cache(block_size: int) -> None:
+    """The virtual cache's int8 rows and scales, through the block table: stored exactly as
+    quantized, attention over them within float32 rounding, short and split long contexts."""
+    check_kernel("paged", paged_cache(dtype="int8", block_size=block_size), query_heads=8, tolerance=1e-5)
+    long_context = [{"a": 600, "b": 20}, {"a": 20, "b": 1}, {"a": 1, "b": 1}, {"a": 1}]
+    check_kernel("paged", paged_cache(dtype="int8"), query_heads=8, tolerance=1e-5, iterations=long_context)
+    for name in ("paged_gather", "paged_blockwise"):
+        with pytest.raises(ValueError, match=f"the {name} kernel cannot read an int8 KV cache"):
+            make_paged_kernel(name, paged_cache(dtype="int8"), num_query_heads=8)
+
+
 def test_blocks_come_and_go_all_or_nothing() -> None:
     cache = paged_cache(memory_budget=10 * 16 * 128 * 4 * 2)  # 10 blocks of 16 tokens
     assert cache.config.num_blocks == 10

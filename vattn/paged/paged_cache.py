@@ -22,7 +22,7 @@ from functools import cached_property
 
 import torch
 
-from vattn.config import DTYPES
+from vattn.config import DTYPES, SCALE_BYTES
 from vattn.errors import OutOfSlotsError
 from vattn.paged.block_pool import BlockPool
 from vattn.stats import CacheStats, MappingCounters
@@ -50,17 +50,21 @@ class PagedKVCacheConfig:
             if self.dtype not in DTYPES:
                 raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
             object.__setattr__(self, "dtype", DTYPES[self.dtype])
-        if self.dtype == torch.int8:
-            raise ValueError("the paged baseline has no int8 KV yet: use float32, float16 or bfloat16")
         if self.memory_budget is not None:
             require_positive_int("memory_budget", self.memory_budget)
             if self.num_blocks < 1:
                 raise ValueError(f"memory_budget {self.memory_budget} B holds no block of {self.block_bytes} B")
 
     @cached_property
+    def quantized(self) -> bool:
+        """int8 values with a float32 scale per (token, kv head), as the virtual cache's."""
+        return self.dtype == torch.int8
+
+    @cached_property
     def bytes_per_token(self) -> int:
-        """One token's K and V in every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize  # type: ignore[union-attr]
+        """One token's K and V in every layer (and an int8 cache's scales)."""
+        values = self.num_kv_heads * self.head_dim * self.dtype.itemsize  # type: ignore[union-attr]
+        return 2 * self.num_layers * (values + (SCALE_BYTES * self.num_kv_heads if self.quantized else 0))
 
     @cached_property
     def block_bytes(self) -> int:
@@ -87,6 +91,8 @@ class PagedKVCache:
         self.config = cfg = config
         shape = (cfg.num_layers, 2, cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
         self._blocks = torch.empty(shape, dtype=cfg.dtype, device=cfg.device)  # type: ignore[arg-type]
+        self._scales = torch.empty(shape[:-1] if cfg.quantized else 0, device=cfg.device)
+        """An int8 cache's float32 scales, `[layers, 2, num_blocks, block_size, kv_heads]`."""
         self.device = self._blocks.device
         self._pool = BlockPool(cfg.num_blocks)
         self._owned: list[list[int]] = [[] for _ in range(cfg.max_slots)]
@@ -165,15 +171,20 @@ class PagedKVCache:
         layer = exact_int(layer, "layer", 0, self.config.num_layers - 1)
         return self._blocks[layer, 0], self._blocks[layer, 1]
 
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An int8 cache's K and V scales of a layer, each `[num_blocks, block_size, kv_heads]`."""
+        self._require_quantized()
+        layer = exact_int(layer, "layer", 0, self.config.num_layers - 1)
+        return self._scales[layer, 0], self._scales[layer, 1]
+
     def kv(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of one request's K and V in one layer, `[length, kv_heads, head_dim]`
         (gathered: a paged request has no contiguous view)."""
-        slot = self._active_slot(reqid)
-        length = self._lengths[slot]
-        blocks = torch.tensor(self._owned[slot], dtype=torch.long, device=self.device)
-        return tuple(  # type: ignore[return-value]
-            part[blocks].flatten(0, 1)[:length] for part in self.layer_blocks(layer)
-        )
+        return self._gathered(reqid, self.layer_blocks(layer))
+
+    def kv_scales(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of an int8 cache's K and V scales of one request, `[length, kv_heads]`."""
+        return self._gathered(reqid, self.layer_scales(layer))
 
     def stats(self) -> CacheStats:
         """The virtual cache's figures for blocks: a page is one block (every layer's K and V
@@ -205,6 +216,16 @@ class PagedKVCache:
         self._closed = True
 
     # ---------------------------------------------------------------- internals
+
+    def _gathered(self, reqid: int, parts: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        slot = self._active_slot(reqid)
+        blocks = torch.tensor(self._owned[slot], dtype=torch.long, device=self.device)
+        return tuple(part[blocks].flatten(0, 1)[: self._lengths[slot]] for part in parts)  # type: ignore[return-value]
+
+    def _require_quantized(self) -> None:
+        self._check_open()
+        if not self.config.quantized:
+            raise ValueError(f"only an int8 cache has scales; this one is {self.config.dtype}")
 
     def _check_open(self) -> None:
         if self._closed:

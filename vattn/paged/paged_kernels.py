@@ -186,6 +186,7 @@ class PagedBlockwiseKernel(PagedKernel):
 
 class PagedNativeKernel(PagedKernel):
     name = "paged"
+    reads_int8_cache = True
 
     def __init__(self, cache: PagedKVCache, num_query_heads: int) -> None:
         super().__init__(cache, num_query_heads)
@@ -199,9 +200,15 @@ class PagedNativeKernel(PagedKernel):
         vectors = tuple(torch.tensor(column, dtype=torch.int64) for column in columns)
         return replace(batch, wrapper=(batch.host_block_table.contiguous(), *vectors))
 
-    def _forward(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def _layer_kv(self, layer: int) -> tuple[Tensor, ...]:
+        """K and V blocks, and an int8 cache's K and V scales after them."""
+        blocks = self.cache.layer_blocks(layer)
+        return (*blocks, *self.cache.layer_scales(layer)) if self.cache.config.quantized else blocks
+
+    def _forward(self, blocks: tuple[Tensor, ...], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = torch.empty_like(q)
-        self._attend(out, q, *blocks, *batch.wrapper, self.scale, k, v)  # stores k, v, then attends
+        keys, values, *scales = blocks
+        self._attend(out, q, keys, values, *batch.wrapper, self.scale, k, v, *scales)  # stores k, v, then attends
         return out
 
 
