@@ -161,6 +161,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--windows", type=int, default=None, help="score only the first N windows")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--name", default="quality", help="results file stem")
     args = parser.parse_args(argv)
     args.configs = args.configs.split(",")
     if "fp32" not in args.configs:
@@ -192,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     workload = {"texts": [str(LICENSES / name) for name in TEXTS], "sha256": digest, "tokens": len(ids)}
     workload["tokenizer"] = tokenizer
     payload = {"command": command_line(), "machine": machine_facts(), "workload": workload, "rows": rows}
-    csv_path, json_path, png_path = write_results(args.out, "quality", rows, payload)
+    csv_path, json_path, png_path = write_results(args.out, args.name, rows, payload)
     print_table(
         rows,
         [

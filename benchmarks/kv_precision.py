@@ -1,0 +1,217 @@
+"""What an int8 KV cache buys and costs against float32, on the default model, in one run.
+
+- capacity: bytes per token (K and V of every layer) and the most 1,000-token requests that fit
+  a 256 MiB KV budget, found by stepping requests to 1,000 tokens on a KVCache of the engine's
+  own geometry (its page size and layout) until `OutOfPagesError`.
+- decode: the engine's decode step (wall ms, median of `--steps`) with 16 and 64 requests at
+  1K- and 4K-token contexts, random-token prompts prefilled first, each KV precision in turn.
+- greedy: 48 chat prompts (8 requests about 6 topics) answered greedily, 64 tokens each, with
+  each KV precision: how many answers equal float32's and their mean common prefix.
+
+Perplexity over the same text as every preset: `python -m benchmarks.quality --configs fp32,int8kv`.
+
+    python -m benchmarks.kv_precision [--kv-dtypes float32,int8] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from tqdm import tqdm
+
+from measure.results import RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
+from measure.workloads import random_token_prompts
+from serving import LLM, SamplingParams
+from vattn import KVCache, OutOfPagesError
+from vattn.sizes import MiB
+
+BUDGET, REQUEST_TOKENS = 256 * MiB, 1000
+SHAPES = [(16, 1024), (64, 1024), (16, 4096), (64, 4096)]
+"""(requests, context tokens) of the decode steps."""
+ASKS = [
+    "Explain {} in two sentences.",
+    "Write a short poem about {}.",
+    "Give me three facts about {}.",
+    "What is the history of {}?",
+    "How would you teach a child about {}?",
+    "List the pros and cons of {}.",
+    "Describe {} to someone who has never heard of it.",
+    "Write a one-paragraph story involving {}.",
+]
+TOPICS = ["the sea", "photosynthesis", "prime numbers", "the French Revolution", "a lighthouse", "bicycles"]
+CHAT_PROMPTS = [ask.format(topic) for topic in TOPICS for ask in ASKS]
+
+
+def engine(kv_dtype: str, **options: Any) -> LLM:
+    return LLM(dtype="float32", kv_cache_dtype="auto" if kv_dtype == "float32" else kv_dtype, **options)
+
+
+def capacity(kv_dtype: str) -> dict[str, Any]:
+    """Bytes per token, and how many REQUEST_TOKENS-token requests a BUDGET cache holds at once."""
+    llm = engine(kv_dtype, max_slots=2)
+    config = llm.engine.executor.kv.cache.config
+    llm.close()
+    config = replace(
+        config, max_slots=256, max_context=REQUEST_TOKENS, memory_budget=BUDGET, eager_pages=0, background=False
+    )
+    held, lengths = 0, {}
+    with KVCache(config) as cache:
+        try:
+            while True:
+                lengths[cache.alloc_reqid()] = REQUEST_TOKENS
+                cache.step(lengths)
+                held += 1
+        except OutOfPagesError:
+            pass
+    per_token = config.bytes_per_token * config.num_buffers
+    return {"kv": kv_dtype, "bytes_per_token": per_token, "requests_in_256_mib": held}
+
+
+def kv_bytes(kv_dtype: str, requests: int, tokens: int) -> int:
+    """A KV budget that holds `requests` requests of `tokens` tokens at once (whole pages each)."""
+    llm = engine(kv_dtype, max_slots=2)
+    config = llm.engine.executor.kv.cache.config
+    llm.close()
+    return requests * config.pages_for(tokens) * config.page_group_bytes + config.page_group_bytes
+
+
+def decode_steps(kv_dtype: str, steps: int) -> list[dict[str, Any]]:
+    """Median decode step at each of SHAPES: the shape's prompts prefilled, then `steps` timed steps."""
+    rows = []
+    for batch, context in SHAPES:
+        budget = kv_bytes(kv_dtype, batch, context + steps + 8)
+        llm = engine(
+            kv_dtype, max_slots=batch, max_context=context + steps + 8, max_batched_tokens=1024, kv_budget=budget
+        )
+        params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+        prompts = random_token_prompts(batch, context, context, llm.tokenizer.vocab_size, seed=batch + context)
+        ids = llm.engine.add_requests(prompts, [params] * batch)
+        with tqdm(total=batch, desc=f"{kv_dtype} prefill {batch} x {context}", unit="req", leave=False) as bar:
+            decoding: set[str] = set()
+            while len(decoding) < batch:
+                new = {d.request_id for d in llm.engine.step() if d.token_ids} - decoding
+                decoding |= new
+                bar.update(len(new))
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            llm.engine.step()
+            times.append(time.perf_counter() - start)
+        for request_id in ids:
+            llm.engine.abort(request_id)
+        llm.close()
+        rows.append({"kv": kv_dtype, "requests": batch, "context": context, "step_ms": 1000 * statistics.median(times)})
+    return rows
+
+
+def greedy_answers(kv_dtype: str, tokens: int) -> list[list[int]]:
+    llm = engine(kv_dtype)
+    params = SamplingParams(max_tokens=tokens, temperature=0)
+    prompts = [llm.chat_prompt([{"role": "user", "content": prompt}]) for prompt in CHAT_PROMPTS]
+    answers = [output.token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
+    return answers
+
+
+def agreement(answers: list[list[int]], reference: list[list[int]]) -> dict[str, Any]:
+    prefixes = [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
+        for x, y in zip(answers, reference, strict=True)
+    ]
+    return {
+        "answers_equal": sum(x == y for x, y in zip(answers, reference, strict=True)),
+        "mean_common_prefix": statistics.mean(prefixes),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kv-dtypes", default="float32,int8", help="float32 first: the reference")
+    parser.add_argument("--steps", type=int, default=8, help="timed decode steps per shape")
+    parser.add_argument("--answer-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    kv_dtypes = args.kv_dtypes.split(",")
+    if kv_dtypes[0] != "float32":
+        parser.error("the first KV dtype is the reference: float32")
+    rows: list[dict[str, Any]] = []
+    reference: list[list[int]] = []
+    for kv_dtype in tqdm(kv_dtypes, desc="KV precisions"):
+        answers = greedy_answers(kv_dtype, args.answer_tokens)
+        reference = reference or answers
+        rows.append({"table": "capacity", **capacity(kv_dtype), **agreement(answers, reference)})
+        rows += [{"table": "decode", **row} for row in decode_steps(kv_dtype, args.steps)]
+    float32_steps = {
+        (r["requests"], r["context"]): r["step_ms"] for r in rows if r["table"] == "decode" and r["kv"] == "float32"
+    }
+    for row in rows:
+        if row["table"] == "decode":
+            row["vs_float32"] = row["step_ms"] / float32_steps[(row["requests"], row["context"])]
+    csv_path, json_path, png_path = write_results(
+        args.out,
+        "kv_precision",
+        rows,
+        {
+            "command": command_line(),
+            "machine": machine_facts(),
+            "args": vars(args),
+            "prompts": CHAT_PROMPTS,
+            "rows": rows,
+        },
+    )
+    print_table(
+        [r for r in rows if r["table"] == "capacity"],
+        [
+            ("KV", "kv", 8, ""),
+            ("bytes/token", "bytes_per_token", 12, ""),
+            ("1K-token requests in 256 MiB", "requests_in_256_mib", 29, ""),
+            (f"answers equal (of {len(CHAT_PROMPTS)})", "answers_equal", 21, ""),
+            ("common prefix", "mean_common_prefix", 14, ".1f"),
+        ],
+        "capacity and greedy answers",
+    )
+    print_table(
+        [r for r in rows if r["table"] == "decode"],
+        [
+            ("KV", "kv", 8, ""),
+            ("requests", "requests", 9, ""),
+            ("context", "context", 8, ""),
+            ("step ms", "step_ms", 9, ".1f"),
+            ("vs float32", "vs_float32", 11, ".2f"),
+        ],
+        "decode step",
+    )
+    plot(rows, png_path)
+    print(f"\nwrote {csv_path}, {json_path}, {png_path}")
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    decode = [r for r in rows if r["table"] == "decode"]
+    kinds = list(dict.fromkeys(r["kv"] for r in decode))
+    labels = [f"{b} x {c // 1024}K" for b, c in SHAPES]
+    fig, axis = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(kinds)
+    for i, kind in enumerate(kinds):
+        values = [
+            next(r["step_ms"] for r in decode if r["kv"] == kind and (r["requests"], r["context"]) == s) for s in SHAPES
+        ]
+        axis.bar([x + i * width for x in range(len(SHAPES))], values, width, label=f"{kind} KV")
+    axis.set_xticks([x + width * (len(kinds) - 1) / 2 for x in range(len(SHAPES))], labels)
+    axis.set_ylabel("decode step, ms")
+    axis.set_title("the default model's decode step by KV precision (requests x context)", fontsize=9)
+    axis.legend(fontsize=8)
+    save_figure(fig, path, command_line())
+
+
+if __name__ == "__main__":
+    main()
