@@ -4,7 +4,8 @@
   a 256 MiB KV budget, found by stepping requests to 1,000 tokens on a KVCache of the engine's
   own geometry (its page size and layout) until `OutOfPagesError`.
 - decode: the engine's decode step (wall ms, median of `--steps`) with 16 and 64 requests at
-  1K- and 4K-token contexts, random-token prompts prefilled first, each KV precision in turn.
+  1K- and 4K-token contexts, random-token prompts prefilled first, each KV precision in turn
+  (on 2 MiB pages: see DECODE_PAGE).
 - greedy: 48 chat prompts (8 requests about 6 topics) answered greedily, 64 tokens each, with
   each KV precision: how many answers equal float32's and their mean common prefix.
 
@@ -77,9 +78,15 @@ def capacity(kv_dtype: str) -> dict[str, Any]:
     return {"kv": kv_dtype, "bytes_per_token": per_token, "requests_in_256_mib": held}
 
 
+DECODE_PAGE = 2 * MiB
+"""The decode steps' page size: 64 requests of 4K tokens hold 12 GB of float32 KV, more 64 KiB
+mappings than Linux's default vm.max_map_count allows (the kernels read the same contiguous
+rows whatever the page size)."""
+
+
 def kv_bytes(kv_dtype: str, requests: int, tokens: int) -> int:
     """A KV budget that holds `requests` requests of `tokens` tokens at once (whole pages each)."""
-    llm = engine(kv_dtype, max_slots=2)
+    llm = engine(kv_dtype, max_slots=2, page_size=DECODE_PAGE)
     config = llm.engine.executor.kv.cache.config
     llm.close()
     return requests * config.pages_for(tokens) * config.page_group_bytes + config.page_group_bytes
@@ -91,7 +98,12 @@ def decode_steps(kv_dtype: str, steps: int) -> list[dict[str, Any]]:
     for batch, context in SHAPES:
         budget = kv_bytes(kv_dtype, batch, context + steps + 8)
         llm = engine(
-            kv_dtype, max_slots=batch, max_context=context + steps + 8, max_batched_tokens=1024, kv_budget=budget
+            kv_dtype,
+            max_slots=batch,
+            max_context=context + steps + 8,
+            max_batched_tokens=1024,
+            kv_budget=budget,
+            page_size=DECODE_PAGE,
         )
         params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
         prompts = random_token_prompts(batch, context, context, llm.tokenizer.vocab_size, seed=batch + context)
