@@ -2,12 +2,13 @@
 
 - shared system prompt: `--system-tokens` of one system prompt before each of `--questions`
   short questions (random token ids), `--concurrency` requests in flight (a new one starts
-  when one ends), 16 output tokens each.
+  when one ends), 16 output tokens each; and the same with a `--short-system-tokens` one,
+  which ends inside the first 256-token unit.
 - multi-turn chat: `--chats` conversations of `--turns` turns; each turn's prompt is the
   whole conversation so far (the previous prompt, its answer, a new question).
 
-For each, the engine with the prefix cache off, on (64 KiB pages: a unit is 256 tokens),
-and on with 16 KiB pages (64-token units): time to first token p50/p99, prompt tokens
+For each, the engine with the prefix cache off, on matching whole units only (64 KiB pages: a
+unit is 256 tokens), and on matching to the token: time to first token p50/p99, prompt tokens
 computed, hit rate, and two peaks of physical KV bytes: those the running requests map
 (what they need; a shared page counts once) and those held (mapped, idle slots' pages
 kept for reuse included, + cached: all of it reclaimable on demand). Last, the physical
@@ -38,7 +39,9 @@ from serving import LLM, SamplingParams
 from vattn import KVCache, KVCacheConfig
 from vattn.sizes import KiB, MiB
 
-CONFIGS = (("off", 64 * KiB, False), ("on", 64 * KiB, True), ("on, 16 KiB pages", 16 * KiB, True))
+CONFIGS = (("off", False, "token"), ("on, whole units", True, "unit"), ("on", True, "token"))
+"""(name, prefix caching, prefix_match): the cache off, matching whole 256-token units only
+(64 KiB pages), and matching to the token (the part of a unit copied)."""
 OUTPUT_TOKENS = 16
 
 
@@ -109,8 +112,8 @@ def fork_memory(tokens: int, copies: int) -> list[dict[str, Any]]:
 def single_prefill(system: list[int], questions: list[list[int]]) -> list[dict[str, Any]]:
     """TTFT of one request alone: cold, then (another question) with the system prompt cached."""
     rows = []
-    for name, page_size, _ in CONFIGS[1:]:
-        llm = LLM(max_slots=4, max_context=len(system) + 64, kv_budget=256 * MiB, page_size=page_size)
+    for name, _, match in CONFIGS[1:]:
+        llm = LLM(max_slots=4, max_context=len(system) + 64, kv_budget=256 * MiB, prefix_match=match)
         params = SamplingParams(max_tokens=1, temperature=0)
         llm.generate([system[::-1] + questions[0]], params, use_tqdm=False)  # warm-up, sharing nothing
         for state, question in (("cold", questions[0]), ("system prompt cached", questions[1])):
@@ -149,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--questions", type=int, default=64)
     parser.add_argument("--system-tokens", type=int, default=1000)
+    parser.add_argument("--short-system-tokens", type=int, default=150, help="a system prompt inside one unit")
     parser.add_argument("--chats", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=4)
@@ -158,9 +162,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.quick:
         args.questions, args.system_tokens, args.chats, args.turns = 4, 300, 2, 2
     generator = torch.Generator().manual_seed(0)
-    system = random_ids(generator, args.system_tokens)
+    system, short = random_ids(generator, args.system_tokens), random_ids(generator, args.short_system_tokens)
     workloads = {
         "system prompt": [[system + random_ids(generator, 20)] for _ in range(args.questions)],
+        "short system prompt": [[short + random_ids(generator, 20)] for _ in range(args.questions)],
         "multi-turn chat": [
             [random_ids(generator, 300 if turn == 0 else 40) for turn in range(args.turns)] for _ in range(args.chats)
         ],
@@ -168,9 +173,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     longest = max(args.system_tokens + 20, 300 + 40 * (args.turns - 1) + OUTPUT_TOKENS * args.turns) + 64
     rows: list[dict[str, Any]] = []
     for workload, chats in workloads.items():
-        for name, page_size, caching in tqdm(CONFIGS, desc=workload):
+        for name, caching, match in tqdm(CONFIGS, desc=workload):
             llm = LLM(
-                max_slots=16, max_context=longest, kv_budget=384 * MiB, page_size=page_size, prefix_caching=caching
+                max_slots=16, max_context=longest, kv_budget=384 * MiB, prefix_caching=caching, prefix_match=match
             )
             figures = run_closed_loop(llm, chats, args.concurrency)
             llm.close()
@@ -190,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    measured = [r for r in rows if r["table"] in ("system prompt", "multi-turn chat")]
+    measured = [r for r in rows if r["table"] in ("system prompt", "short system prompt", "multi-turn chat")]
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     for axis, key, label in (
         (axes[0], "ttft_p50_s", "TTFT p50 (s)"),

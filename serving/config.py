@@ -45,6 +45,8 @@ class EngineConfig:
     prefix_caching: bool | None = None
     """Map the KV pages of prompt prefixes seen before instead of computing them (the
     virtual cache only); None: on for the virtual cache, off for the paged one."""
+    prefix_match: str = "token"
+    """A cached prefix reused to the token or in whole units (see vattn's KVCacheConfig.prefix_match)."""
     backend: str = "host"
     kernel: str = "auto"
     """Attention kernel: virtual cache, vattn.kernels.KERNELS (`auto`: `ragged` on the host,

@@ -132,6 +132,7 @@ class VirtualKVStore(CacheStore):
             page_size=config.page_size,
             backend=config.backend,
             memory_budget=config.kv_budget,
+            prefix_match=config.prefix_match,  # type: ignore[arg-type]
         )
         cache = KVCache(cache_config)
         super().__init__(cache, make_kernel(config.attention_kernel, cache, shape.num_query_heads))

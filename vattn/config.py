@@ -14,6 +14,8 @@ from vattn.validate import is_int, require_positive_int
 
 Layout = Literal["per_layer", "mega"]
 LAYOUTS: tuple[str, ...] = get_args(Layout)
+PrefixMatch = Literal["token", "unit"]
+PREFIX_MATCHES: tuple[str, ...] = get_args(PrefixMatch)
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -60,6 +62,9 @@ class KVCacheConfig:
     """Idle slots give their pages back when free pages fall under this share of the pool."""
     native: bool | None = None
     """Host backend: True needs the C library, False uses ctypes, None picks C if built."""
+    prefix_match: PrefixMatch = "token"
+    """`match_prefix` reuses a cached prefix to the token (the part of a unit copied) or in
+    whole units only (mapped, nothing copied)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_slots", "max_context", "page_size"):
@@ -81,6 +86,8 @@ class KVCacheConfig:
             )
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.prefix_match not in PREFIX_MATCHES:
+            raise ValueError(f"prefix_match must be one of {PREFIX_MATCHES}, got {self.prefix_match!r}")
         if not 0.0 <= self.reclaim_watermark < 1.0:
             raise ValueError(f"reclaim_watermark must be in [0, 1), got {self.reclaim_watermark!r}")
         if self.memory_budget is not None:
@@ -134,6 +141,11 @@ class KVCacheConfig:
     def unit_tokens(self) -> int:
         """Tokens in a prefix-cache unit."""
         return self.unit_groups * self.page_size // self.bytes_per_token
+
+    @cached_property
+    def unit_bytes(self) -> int:
+        """Bytes of a prefix-cache unit in one virtual tensor."""
+        return self.unit_groups * self.page_size
 
     @cached_property
     def slot_stride(self) -> int:

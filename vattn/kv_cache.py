@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -11,7 +12,7 @@ import torch
 
 from vattn.backends import VMMBackend, make_backend
 from vattn.config import KVCacheConfig
-from vattn.errors import OutOfSlotsError
+from vattn.errors import OutOfPagesError, OutOfSlotsError
 from vattn.mapper import BackgroundMapper
 from vattn.memory import CacheMemory, Lease
 from vattn.page_policy import PagePolicy
@@ -52,7 +53,9 @@ class KVCache:
         self.device = self._layers[0][0].device
         self._lock = threading.Lock()
         self._counters = MappingCounters()
-        self._pages = SlotPages(config, self.backend, self._pool, memory.bases, memory.stranded, self._counters)
+        self._pages = SlotPages(
+            config, self.backend, self._pool, memory.bases, memory.scratch, memory.stranded, self._counters
+        )
         self._policy = PagePolicy(config, self._slots, self._pool, self._prefix, self._pages)
         self._closed = False
         self._mapper = BackgroundMapper(weakref.WeakMethod(self._work_ahead)) if config.background else None
@@ -114,24 +117,31 @@ class KVCache:
     # ---------------------------------------------------------------- sharing
 
     def match_prefix(self, reqid: int, tokens: Sequence[int], salt: str | None = None) -> int:
-        """Maps the prefix cache's pages for the longest cached prefix of a new request's
-        `tokens` behind it instead of computing them; returns the tokens they hold (whole
-        units, always leaving at least the last token to compute), now its length.
+        """Gives a new request the KV of the longest cached prefix of its `tokens` instead of
+        computing it; returns how many tokens that is (always leaving the last one to compute),
+        now its length. Whole cached units are mapped behind it (shared, never copied); where
+        its prompt goes on to match the start of a cached unit, that many tokens' KV is copied
+        into pages of its own (skipped, those tokens left to compute, if no pages are free).
 
         With a `salt` (vLLM's `cache_salt`) only units cached by requests with the same salt
         match, and the request's own units are cached under it. Counts `tokens` as
         prefix-cache queries and the tokens found as hits."""
+        cfg = self.config
         with self._lock:
             self._check_open()
             slot = self._active_slot(reqid)
             if slot.length or slot.shared_groups:
                 raise ValueError(f"reqid {slot.index} already holds tokens: match_prefix comes before its first step")
-            units = self._prefix.match(slot, tokens, self.config.unit_tokens, salt)
+            units, partial = self._prefix.match(slot, tokens, cfg.unit_tokens, salt)
             if units:
                 self._pages.map_shared(slot, [group for found in units for group in found.pages])
-                slot.length = len(units) * self.config.unit_tokens
-                slot.shared_groups = len(units) * self.config.unit_groups
-                self._prefix.counters.hits += slot.length
+                slot.length = len(units) * cfg.unit_tokens
+                slot.shared_groups = len(units) * cfg.unit_groups
+            if partial and cfg.prefix_match == "token":
+                with contextlib.suppress(OutOfPagesError):
+                    self._policy.copy_prefix(slot, partial.unit.pages, partial.tokens)
+                    slot.length += partial.tokens
+            self._prefix.counters.hits += slot.length
         self._wake_mapper()
         return slot.length
 

@@ -31,9 +31,14 @@ class CacheMemory:
         self.config = config
         self.backend = backend
         self.bases: list[int] = []
+        self.scratch: list[int] = []
+        """Per virtual tensor, a unit's worth of address space where cached pages that no slot
+        maps are mapped for a moment to be read (a token-granular prefix match copies from them)."""
         self.stranded: list[int] = []
         """Addresses a failed map could not roll back: mapped, in no slot, freed with their reservation."""
-        self.release = weakref.finalize(self, _release, config, backend, self.bases, slots, pool, self.stranded)
+        self.release = weakref.finalize(
+            self, _release, config, backend, self.bases, self.scratch, slots, pool, self.stranded
+        )
         self.release.atexit = False  # at exit live views may still be read; the process frees it all
 
     def open(
@@ -47,6 +52,7 @@ class CacheMemory:
         try:
             for _ in range(cfg.num_buffers):
                 self.bases.append(self.backend.reserve(cfg.reservation_bytes))
+                self.scratch.append(self.backend.reserve(cfg.unit_bytes))
             whole = Lease(self, ())
             buffers = [self.backend.tensor(base, cfg.reservation_bytes, whole, dtype=cfg.dtype) for base in self.bases]
         except BaseException:
@@ -118,6 +124,7 @@ def _release(
     config: KVCacheConfig,
     backend: VMMBackend,
     bases: list[int],
+    scratch: list[int],
     slots: Sequence[Slot],
     pool: PagePool,
     stranded: list[int],
@@ -129,7 +136,12 @@ def _release(
             mapped = [base + config.page_offset(s.index, k) for s in slots for k in range(len(s.pages))]
             inside = [addr for addr in stranded if base <= addr < base + config.reservation_bytes]
             backend.free_reservation(base, config.reservation_bytes, mapped + inside)
+        for base in scratch:
+            backend.free_reservation(
+                base, config.unit_bytes, [a for a in stranded if base <= a < base + config.unit_bytes]
+            )
         bases.clear()
+        scratch.clear()
         for slot in slots:
             slot.pages.clear()
             slot.origins.clear()

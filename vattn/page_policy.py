@@ -121,6 +121,25 @@ class PagePolicy:
             return self.pages.map([(nxt, 1)], Origin.BACKGROUND)
         return None
 
+    def copy_prefix(self, slot: Slot, source: list[list[int]], tokens: int) -> None:
+        """Gives the slot pages of its own for `tokens` more tokens after its length and copies
+        their KV from the page groups `source` (a cached unit's, held while it is copied, so
+        that making room may evict the unit but not free its pages); room made first, or
+        OutOfPagesError with the slot unchanged."""
+        cfg = self.config
+        first = slot.length * cfg.bytes_per_token // cfg.page_size  # a unit starts on a page
+        wanted = cfg.pages_for(slot.length + tokens)
+        held = [page for group in source for page in group]
+        self.pool.share(held)
+        try:
+            if (missing := wanted - len(slot.pages)) > 0:
+                self.make_room(missing * cfg.num_buffers, {slot.index: wanted})
+                self.pages.map([(slot, missing)], Origin.STEP)
+            self.pages.copy_from_pages(source, slot, first, tokens * cfg.bytes_per_token)
+        finally:
+            self.pool.give_back(held)
+        self.pages.counters.prefix_copied_bytes += tokens * cfg.bytes_per_token * len(self.pages.bases)
+
     def fork(self, parent: Slot, child: Slot) -> int:
         """Maps the parent's whole page groups behind the free slot `child` and copies its
         partial last one (room made first); returns how many page groups the two now share."""

@@ -27,6 +27,7 @@ class SlotPages:
         backend: VMMBackend,
         pool: PagePool,
         bases: list[int],
+        scratch: list[int],
         stranded: list[int],
         counters: MappingCounters,
     ) -> None:
@@ -35,6 +36,8 @@ class SlotPages:
         self.pool = pool
         self.bases = bases
         """Each virtual tensor's reservation."""
+        self.scratch = scratch
+        """Each virtual tensor's scratch unit (see CacheMemory.scratch)."""
         self.stranded = stranded
         """Addresses a failed map could not roll back (see CacheMemory.stranded)."""
         self.counters = counters
@@ -137,6 +140,25 @@ class SlotPages:
         for base in self.bases:
             src, dst = (base + cfg.page_offset(s.index, group) for s in (source, target))
             self.backend.tensor(dst, nbytes, mapped=True).copy_(self.backend.tensor(src, nbytes, mapped=True))
+
+    def copy_from_pages(self, source: list[list[int]], target: Slot, group: int, nbytes: int) -> None:
+        """Copies the first `nbytes` held by the page groups `source` (referenced by the caller,
+        perhaps mapped nowhere) into `target`'s groups from `group` on (mapped, its own), through
+        the scratch units: mapped there for the copy, unmapped after."""
+        cfg = self.config
+        count = -(-nbytes // cfg.page_size)
+        addrs = [base + k * cfg.page_size for k in range(count) for base in self.scratch]
+        try:
+            self.backend.map(addrs, [page for pages in source[:count] for page in pages])
+        except MapError as exc:
+            self.stranded += exc.stranded
+            raise
+        try:
+            for base, scratch in zip(self.bases, self.scratch, strict=True):
+                dst = base + cfg.page_offset(target.index, group)
+                self.backend.tensor(dst, nbytes, mapped=True).copy_(self.backend.tensor(scratch, nbytes, mapped=True))
+        finally:
+            self.backend.unmap(addrs)
 
     def check_invariants(self, slots: Sequence[Slot], prefix: PrefixCache) -> None:
         """Raises AssertionError unless the pages behind the slots are consistent: each page's

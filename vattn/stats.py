@@ -48,6 +48,8 @@ class MappingCounters:
     """Pages the forks mapped behind their new slots instead of copying."""
     fork_copied_bytes: int = 0
     """Bytes the forks copied: each one's last partial page, in every virtual tensor."""
+    prefix_copied_bytes: int = 0
+    """Bytes prefix matches copied: the tokens they found inside a cached unit, in every virtual tensor."""
 
     def count_needs(self, already_mapped: Iterable[bool], mapped_in_step: int) -> None:
         """Page needs of one step(): for those mapped before it, whether the background thread did it."""
