@@ -78,6 +78,8 @@ def capacity(kv_dtype: str) -> dict[str, Any]:
     return {"kv": kv_dtype, "bytes_per_token": per_token, "requests_in_256_mib": held}
 
 
+PREFILL_CHUNK = 1024
+"""Prompt tokens an iteration while the decode shapes fill."""
 DECODE_PAGE = 2 * MiB
 """The decode steps' page size: 64 requests of 4K tokens hold 12 GB of float32 KV, more 64 KiB
 mappings than Linux's default vm.max_map_count allows (the kernels read the same contiguous
@@ -96,16 +98,20 @@ def decode_steps(kv_dtype: str, steps: int) -> list[dict[str, Any]]:
     """Median decode step at each of SHAPES: the shape's prompts prefilled, then `steps` timed steps."""
     rows = []
     for batch, context in SHAPES:
-        budget = kv_bytes(kv_dtype, batch, context + steps + 8)
+        # The first prompts decode while the later ones are prefilled (1,024 tokens an iteration):
+        # every request must still be running when the timed steps start.
+        prefill_steps = -(-batch * context // PREFILL_CHUNK) + batch
+        max_tokens = prefill_steps + steps + 4
+        longest = context + max_tokens + 8
         llm = engine(
             kv_dtype,
             max_slots=batch,
-            max_context=context + steps + 8,
-            max_batched_tokens=1024,
-            kv_budget=budget,
+            max_context=longest,
+            max_batched_tokens=PREFILL_CHUNK,
+            kv_budget=kv_bytes(kv_dtype, batch, longest),
             page_size=DECODE_PAGE,
         )
-        params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         prompts = random_token_prompts(batch, context, context, llm.tokenizer.vocab_size, seed=batch + context)
         ids = llm.engine.add_requests(prompts, [params] * batch)
         with tqdm(total=batch, desc=f"{kv_dtype} prefill {batch} x {context}", unit="req", leave=False) as bar:
@@ -114,6 +120,10 @@ def decode_steps(kv_dtype: str, steps: int) -> list[dict[str, Any]]:
                 new = {d.request_id for d in llm.engine.step() if d.token_ids} - decoding
                 decoding |= new
                 bar.update(len(new))
+        if (running := llm.engine.stats().running) != batch:
+            raise SystemExit(
+                f"{running} of {batch} requests running at {batch} x {context}: the step would not be theirs"
+            )
         times = []
         for _ in range(steps):
             start = time.perf_counter()
