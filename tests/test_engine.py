@@ -338,6 +338,7 @@ def test_the_choices_of_a_prompt_fork_its_kv_and_sample_as_if_alone(llm: LLM) ->
     but the last prompt token, the others map its pages (the partial one copied) and each
     samples as it would alone."""
     prompt, engine = PROMPTS[-1], llm.engine
+    engine.kv.cache.evict_prefix_cache()  # earlier tests' requests cached this prompt's tokens
     params = [SamplingParams(max_tokens=12, temperature=0.8, seed=seed) for seed in range(4)]
     ids = engine.add_requests([prompt] * 4, params)
     while engine.has_unfinished():

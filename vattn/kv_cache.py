@@ -17,7 +17,7 @@ from vattn.mapper import BackgroundMapper
 from vattn.memory import CacheMemory, Lease
 from vattn.page_policy import PagePolicy
 from vattn.page_pool import PagePool
-from vattn.prefix_cache import ROOT, PrefixCache
+from vattn.prefix_cache import ROOT, PrefixCache, token_ids
 from vattn.slot import Origin, Slot
 from vattn.slot_pages import SlotPages
 from vattn.stats import CacheStats, MappingCounters
@@ -84,7 +84,12 @@ class KVCache:
         with self._lock:
             self._check_open()
             slot = self._active_slot(reqid)
+            if slot.tail and self.config.prefix_match == "token":
+                self._prefix.register_tail(
+                    slot, self.config.unit_groups, self.config.page_size / self.config.bytes_per_token
+                )
             slot.active, slot.length, slot.shared_groups, slot.digests, slot.root = False, 0, 0, [], ROOT
+            slot.tail = []
             slot.origins = [Origin.REUSED] * len(slot.pages)
         self._wake_mapper()
 
@@ -112,6 +117,7 @@ class KVCache:
             self._counters.count_needs(already_mapped, sum(missing for _, missing in growth))
             for slot, n in targets:
                 slot.length = n
+                del slot.tail[max(0, n - len(slot.digests) * cfg.unit_tokens) :]  # a shrink drops its KV
         self._wake_mapper()
 
     # ---------------------------------------------------------------- sharing
@@ -148,7 +154,9 @@ class KVCache:
     def cache_prefix(self, reqid: int, tokens: Sequence[int]) -> None:
         """Makes a request's full units findable by later requests: `tokens` are the tokens
         whose KV it holds, from its first (at most its length). Its pages there are shared
-        from now on: never written again while it lives, kept after it ends until evicted."""
+        from now on: never written again while it lives, kept after it ends until evicted.
+        When it ends (`free_reqid`), the tokens after its last full unit that it was last
+        given are cached too, as a partial unit that later prompts can match into."""
         with self._lock:
             self._check_open()
             slot = self._active_slot(reqid)
@@ -158,6 +166,7 @@ class KVCache:
             if len(tokens) // unit > len(slot.digests):
                 self._prefix.register(slot, tokens, unit, groups)
                 slot.shared_groups = max(slot.shared_groups, len(slot.digests) * groups)
+            slot.tail = token_ids(tokens[len(slot.digests) * unit :])
 
     def fork_reqid(self, reqid: int) -> int:
         """A new request holding the same KV as `reqid` (parallel sampling, beam search): its

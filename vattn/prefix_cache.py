@@ -25,6 +25,7 @@ could have been evicted instead.
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -158,6 +159,14 @@ class PrefixCache:
             self.insert(digest, slot.pages[index * groups : (index + 1) * groups], parent, unit_tokens)
             slot.digests.append(digest)
             parent = digest
+
+    def register_tail(self, slot: Slot, groups: int, page_tokens: float) -> None:
+        """Caches the tokens of an ending request after its last whole unit (`slot.tail`) as a
+        partial unit, found only by matches that end inside it; `page_tokens` tokens fill a page."""
+        first = len(slot.digests) * groups
+        pages = slot.pages[first : first + math.ceil(len(slot.tail) / page_tokens)]
+        parent = slot.digests[-1] if slot.digests else slot.root
+        self.insert(chain_digest(parent, slot.tail), pages, parent, slot.tail)
 
     def insert(self, digest: bytes, pages: list[list[int]], parent: bytes, tokens: Sequence[int]) -> None:
         """Keeps a full unit's pages under its digest (one reference each), listed after its

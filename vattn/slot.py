@@ -39,6 +39,9 @@ class Slot:
     """Prefix-cache keys of this request's first units (vattn.prefix_cache), in order."""
     root: bytes = b""
     """The key its first unit's digest chains from (its cache salt's, vattn.prefix_cache)."""
+    tail: list[int] = field(default_factory=list)
+    """The tokens after its last whole cached unit that `cache_prefix` was last given: cached
+    as a partial unit when the request ends (its pages are written no more then)."""
     leases: set[weakref.ref[Any]] = field(default_factory=set)
     """Live leases of tensors (or attention batches) that can reach this slot; each one's
     weak reference takes itself out when the lease dies (see vattn.memory)."""
