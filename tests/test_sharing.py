@@ -188,10 +188,31 @@ def test_a_freed_slot_drops_only_shared_pages_and_keeps_deferred_reclamation(mak
     prompt = list(range(300))
     write(cache, again, prompt)
     cache.cache_prefix(again, prompt)
+    kept = cache.page_table(again)
     cache.free_reqid(again)
-    last = cache.alloc_reqid()  # its pages are cached: it starts without them
-    assert cache.page_table(last) == []
+    last = cache.alloc_reqid()  # its pages stay mapped until it is matched or stepped
+    assert cache.page_table(last) == kept
+    cache.step({last: 1})  # not matched: the cached ones go, a page of its own comes
+    assert len(cache.page_table(last)) == 1 and cache.page_table(last)[0] not in kept
     assert cache.stats().cached_bytes == 15 * cache.config.page_group_bytes  # 4 units, and the 44-token tail
+
+
+def test_a_reused_slot_keeps_the_pages_its_new_prompt_shares(make_cache: MakeCache) -> None:
+    """The slot handed out again still maps its last request's cached units: a prompt that
+    shares them keeps them where they are (no unmap and map back), the rest is dropped."""
+    cache = make_cache(**ODD, max_slots=1, background=False)
+    unit, groups = cache.config.unit_tokens, cache.config.unit_groups
+    prompt = list(range(3 * unit))
+    first = cache.alloc_reqid()
+    write(cache, first, prompt)
+    cache.cache_prefix(first, prompt)
+    table = cache.page_table(first)
+    cache.free_reqid(first)
+    unmapped = cache.stats().counters.unmap.pages
+    second = cache.alloc_reqid()
+    assert cache.match_prefix(second, [*prompt[: 2 * unit], 7, 8]) == 2 * unit
+    assert cache.page_table(second) == table[: 2 * groups]
+    assert cache.stats().counters.unmap.pages - unmapped == groups * cache.config.num_buffers  # the third unit only
 
 
 def test_a_cache_salt_keeps_tenants_apart(make_cache: MakeCache) -> None:

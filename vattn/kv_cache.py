@@ -74,8 +74,7 @@ class KVCache:
             if slot is None:
                 held = sum(not s.active and s.pinned() for s in self._slots)
                 raise OutOfSlotsError(self.config.max_slots, held)
-            self._pages.drop_shared(slot)
-            slot.active, slot.length = True, 0
+            slot.active, slot.length, slot.fresh = True, 0, True
         self._wake_mapper()
         return slot.index
 
@@ -89,7 +88,7 @@ class KVCache:
                     slot, self.config.unit_groups, self.config.page_size / self.config.bytes_per_token
                 )
             slot.active, slot.length, slot.shared_groups, slot.digests, slot.root = False, 0, 0, [], ROOT
-            slot.tail = []
+            slot.tail, slot.fresh = [], False
             slot.origins = [Origin.REUSED] * len(slot.pages)
         self._wake_mapper()
 
@@ -103,6 +102,8 @@ class KVCache:
         with self._lock:
             self._check_open()
             targets = self._validated_lengths(seq_lens)
+            for slot, _ in targets:
+                self._settle(slot, 0)
             growth = [(slot, cfg.pages_for(n) - len(slot.pages)) for slot, n in targets]
             growth = [(slot, missing) for slot, missing in growth if missing > 0]
             met = [
@@ -139,8 +140,12 @@ class KVCache:
             if slot.length or slot.shared_groups:
                 raise ValueError(f"reqid {slot.index} already holds tokens: match_prefix comes before its first step")
             units, partial = self._prefix.match(slot, tokens, cfg.unit_tokens, salt)
+            groups = [group for found in units for group in found.pages]
+            kept = next((k for k, group in enumerate(groups[: len(slot.pages)]) if slot.pages[k] != group), None)
+            kept = min(len(groups), len(slot.pages)) if kept is None else kept  # already mapped: not remapped
+            self._settle(slot, len(groups))
             if units:
-                self._pages.map_shared(slot, [group for found in units for group in found.pages])
+                self._pages.map_shared(slot, groups[kept:], kept)
                 slot.length = len(units) * cfg.unit_tokens
                 slot.shared_groups = len(units) * cfg.unit_groups
             if partial and cfg.prefix_match == "token":
@@ -396,6 +401,12 @@ class KVCache:
             name = f"length of reqid {slot.index} ({limits})"
             targets[slot.index] = (slot, exact_int(length, name, frozen, self.config.max_context))
         return list(targets.values())
+
+    def _settle(self, slot: Slot, keep: int) -> None:
+        """A fresh slot's kept pages that it may not write go, from page group `keep` on."""
+        if slot.fresh:
+            self._pages.drop_shared(slot, keep)
+            slot.fresh = False
 
     def _frozen_tokens(self, slot: Slot) -> int:
         """The first token that lies wholly after the slot's shared page groups."""

@@ -32,6 +32,10 @@ class Slot:
     """Tokens the last step() guaranteed; views of the slot stop here."""
     pages: list[list[int]] = field(default_factory=list)
     origins: list[Origin] = field(default_factory=list)
+    fresh: bool = False
+    """Handed out, not yet stepped or matched: the pages it kept from its last request are still
+    mapped, shared ones too, until `match_prefix` keeps those the new prompt shares or the
+    first step drops them (never written while it is fresh)."""
     shared_groups: int = 0
     """Leading page groups that other slots or the prefix cache may also map: this request
     never writes them again (its length cannot go back below them)."""

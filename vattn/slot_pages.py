@@ -42,38 +42,39 @@ class SlotPages:
         """Addresses a failed map could not roll back (see CacheMemory.stranded)."""
         self.counters = counters
 
-    def drop_shared(self, slot: Slot) -> None:
-        """Before a free slot takes a new request: unmaps its pages from the first one that
-        anything else maps (the prefix cache, a fork) on, so the request writes only its own."""
-        shared = next((k for k, group in enumerate(slot.pages) if self.pool.refs(group[0]) > 1), None)
+    def drop_shared(self, slot: Slot, first: int = 0) -> None:
+        """Before a reused slot's request writes: unmaps its pages from the first one at or after
+        group `first` that anything else maps (the prefix cache, a fork) on, so the request
+        writes only its own."""
+        shared = next((k for k in range(first, len(slot.pages)) if self.pool.refs(slot.pages[k][0]) > 1), None)
         if shared is not None:
             self.unmap_tail([(slot, len(slot.pages) - shared)])
 
-    def map_shared(self, slot: Slot, groups: list[list[int]]) -> None:
-        """Maps already referenced page groups as the slot's first ones, in place of any own
-        pages it has there (one more reference each)."""
+    def map_shared(self, slot: Slot, groups: list[list[int]], first: int = 0) -> None:
+        """Maps already referenced page groups as the slot's groups from `first` on (it maps
+        `first` groups at least), in place of any pages it has there (one more reference each)."""
         if not groups:
             return
         count = len(groups)
-        replaced = min(count, len(slot.pages))
+        replaced = min(count, len(slot.pages) - first)
         if replaced:
-            self.backend.unmap(self.addrs(slot, 0, replaced))
-            self.pool.give_back(page for group in slot.pages[:replaced] for page in group)
+            self.backend.unmap(self.addrs(slot, first, replaced))
+            self.pool.give_back(page for group in slot.pages[first : first + replaced] for page in group)
         pages = [page for group in groups for page in group]
         self.pool.share(pages)
-        addrs = self.addrs(slot, 0, count)
+        addrs = self.addrs(slot, first, count)
         try:
             self.map_pages(addrs, pages)
         except BaseException:  # the slot's pages must stay a prefix: its own ones after the gap go too
-            if rest := len(slot.pages) - replaced:
-                self.backend.unmap(self.addrs(slot, replaced, rest))
-                self.pool.give_back(page for group in slot.pages[replaced:] for page in group)
-            slot.pages.clear()
-            slot.origins.clear()
+            if rest := len(slot.pages) - first - replaced:
+                self.backend.unmap(self.addrs(slot, first + replaced, rest))
+                self.pool.give_back(page for group in slot.pages[first + replaced :] for page in group)
+            del slot.pages[first:]
+            del slot.origins[first:]
             raise
-        slot.pages[:replaced] = [list(group) for group in groups[:replaced]]
+        slot.pages[first : first + replaced] = [list(group) for group in groups[:replaced]]
         slot.pages += [list(group) for group in groups[replaced:]]
-        slot.origins[:replaced] = [Origin.SHARED] * replaced
+        slot.origins[first : first + replaced] = [Origin.SHARED] * replaced
         slot.origins += [Origin.SHARED] * (count - replaced)
 
     def addrs(self, slot: Slot, first: int, count: int) -> list[int]:
@@ -188,7 +189,7 @@ class SlotPages:
                 cfg.pages_for(slot.length) <= len(slot.pages) and slot.shared_groups <= len(slot.pages)
             ):
                 problems.append(f"slot {slot.index} maps fewer pages than its length or shared prefix")
-            writable = slot.pages[slot.shared_groups :] if slot.active else []
+            writable = slot.pages[slot.shared_groups :] if slot.active and not slot.fresh else []
             if any(pool.refs(page) != 1 for group in writable for page in group):
                 problems.append(f"slot {slot.index} may write a shared page")
         if problems:
