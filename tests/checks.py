@@ -55,7 +55,7 @@ def check_kernel(
     history: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
     lengths = dict.fromkeys(reqids, 0)
 
-    quantized = getattr(cfg, "quantized", False)
+    quantized = cfg.quantized
     model_dtype = torch.float32 if quantized else cfg.dtype
 
     def rand(*shape: int) -> torch.Tensor:
@@ -80,7 +80,7 @@ def check_kernel(
                 history[(request, layer)] = (full_k, full_v)
                 stored = cache.kv(layer, reqids[request])
                 if quantized:  # the int8 rows and scales exactly as quantized; attention over their product
-                    scales = cache.kv_scales(layer, reqids[request])  # type: ignore[union-attr]
+                    scales = cache.kv_scales(layer, reqids[request])
                     read = []
                     for full, values, scale in zip((full_k, full_v), stored, scales, strict=True):
                         expected_values, expected_scales = quantize_rows(full)

@@ -97,7 +97,7 @@ class AttentionKernel(ABC):
 
     def __init__(self, cache: KVCache, num_query_heads: int) -> None:
         cfg = cache.config
-        if getattr(cfg, "quantized", False) and not self.reads_int8_cache:
+        if cfg.quantized and not self.reads_int8_cache:
             readers = ", ".join(sorted(k.name for k in kernel_classes() if k.reads_int8_cache))
             raise ValueError(f"the {self.name} kernel cannot read an int8 KV cache; the kernels that can: {readers}")
         if not is_int(num_query_heads) or num_query_heads <= 0 or num_query_heads % cfg.num_kv_heads:

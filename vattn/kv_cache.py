@@ -84,9 +84,7 @@ class KVCache:
             self._check_open()
             slot = self._active_slot(reqid)
             if slot.tail and self.config.prefix_match == "token":
-                self._prefix.register_tail(
-                    slot, self.config.unit_groups, self.config.page_size / self.config.bytes_per_token
-                )
+                self._prefix.register_tail(slot, self.config.unit_groups, self.config.pages_for(len(slot.tail)))
             slot.active, slot.length, slot.shared_groups, slot.digests, slot.root = False, 0, 0, [], ROOT
             slot.tail, slot.fresh = [], False
             slot.origins = [Origin.REUSED] * len(slot.pages)

@@ -25,7 +25,6 @@ could have been evicted instead.
 from __future__ import annotations
 
 import hashlib
-import math
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -160,13 +159,13 @@ class PrefixCache:
             slot.digests.append(digest)
             parent = digest
 
-    def register_tail(self, slot: Slot, groups: int, page_tokens: float) -> None:
-        """Caches the tokens of an ending request after its last whole unit (`slot.tail`) as a
-        partial unit, found only by matches that end inside it; `page_tokens` tokens fill a page."""
+    def register_tail(self, slot: Slot, groups: int, tail_groups: int) -> None:
+        """Caches the tokens of an ending request after its last whole unit (`slot.tail`, in its
+        first `tail_groups` page groups after them) as a partial unit, found only by matches
+        that end inside it."""
         first = len(slot.digests) * groups
-        pages = slot.pages[first : first + math.ceil(len(slot.tail) / page_tokens)]
         parent = slot.digests[-1] if slot.digests else slot.root
-        self.insert(chain_digest(parent, slot.tail), pages, parent, slot.tail)
+        self.insert(chain_digest(parent, slot.tail), slot.pages[first : first + tail_groups], parent, slot.tail)
 
     def insert(self, digest: bytes, pages: list[list[int]], parent: bytes, tokens: Sequence[int]) -> None:
         """Keeps a full unit's pages under its digest (one reference each), listed after its
