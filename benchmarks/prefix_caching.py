@@ -8,14 +8,17 @@
   whole conversation so far (the previous prompt, its answer, a new question).
 
 For each, the engine with the prefix cache off, on matching whole units only (64 KiB pages: a
-unit is 256 tokens), and on matching to the token: time to first token p50/p99, prompt tokens
+unit is 256 tokens), on matching to the token, and the same with no bound on what the cache
+alone holds (`prefix_cache_share=1.0`): time to first token p50/p99, prompt tokens
 computed, hit rate, and two peaks of physical KV bytes: those the running requests map
 (what they need; a shared page counts once) and those held (mapped, idle slots' pages
 kept for reuse included, + cached: all of it reclaimable on demand). Last, the physical
 KV bytes of n = 4 copies of a `--system-tokens` request: 4 independent requests against
 one request forked 3 times (`KVCache.fork_reqid`: whole pages shared, the partial one copied).
-Also: one request's TTFT alone, cold and with its system prompt cached; and what beam
-search (width 4, 16 tokens) after the system prompt shares and copies by forking.
+The multi-turn chat again for a sweep of `prefix_cache_share`: what the cache's bound costs
+in hits against what it saves in bytes held. Also: one request's TTFT alone, cold and with
+its system prompt cached; and what beam search (width 4, 16 tokens) after the system prompt
+shares and copies by forking.
 
     python -m benchmarks.prefix_caching [--quick]
 """
@@ -39,9 +42,18 @@ from serving import LLM, SamplingParams
 from vattn import KVCache, KVCacheConfig
 from vattn.sizes import KiB, MiB
 
-CONFIGS = (("off", False, "token"), ("on, whole units", True, "unit"), ("on", True, "token"))
-"""(name, prefix caching, prefix_match): the cache off, matching whole 256-token units only
-(64 KiB pages), and matching to the token (the part of a unit copied)."""
+SHARE = KVCacheConfig.prefix_cache_share
+CONFIGS = (
+    ("off", False, "token", SHARE),
+    ("on, whole units", True, "unit", SHARE),
+    ("on", True, "token", SHARE),
+    ("on, unbounded", True, "token", 1.0),
+)
+"""(name, prefix caching, prefix_match, prefix_cache_share): the cache off, matching whole
+256-token units only (64 KiB pages), matching to the token (the part of a unit copied), each
+holding at most the default share of the budget in pages no slot maps; and matching to the
+token with entries kept until a step needs their pages (vLLM's and SGLang's policy)."""
+SHARE_SWEEP = (0.0, 0.1, 0.25, 0.5, 1.0)
 OUTPUT_TOKENS = 16
 
 
@@ -112,8 +124,14 @@ def fork_memory(tokens: int, copies: int) -> list[dict[str, Any]]:
 def single_prefill(system: list[int], questions: list[list[int]]) -> list[dict[str, Any]]:
     """TTFT of one request alone: cold, then (another question) with the system prompt cached."""
     rows = []
-    for name, _, match in CONFIGS[1:]:
-        llm = LLM(max_slots=4, max_context=len(system) + 64, kv_budget=256 * MiB, prefix_match=match)
+    for name, _, match, share in CONFIGS[1:3]:
+        llm = LLM(
+            max_slots=4,
+            max_context=len(system) + 64,
+            kv_budget=256 * MiB,
+            prefix_match=match,
+            prefix_cache_share=share,
+        )
         params = SamplingParams(max_tokens=1, temperature=0)
         llm.generate([system[::-1] + questions[0]], params, use_tqdm=False)  # warm-up, sharing nothing
         for state, question in (("cold", questions[0]), ("system prompt cached", questions[1])):
@@ -173,13 +191,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     longest = max(args.system_tokens + 20, 300 + 40 * (args.turns - 1) + OUTPUT_TOKENS * args.turns) + 64
     rows: list[dict[str, Any]] = []
     for workload, chats in workloads.items():
-        for name, caching, match in tqdm(CONFIGS, desc=workload):
+        for name, caching, match, share in tqdm(CONFIGS, desc=workload):
             llm = LLM(
-                max_slots=16, max_context=longest, kv_budget=384 * MiB, prefix_caching=caching, prefix_match=match
+                max_slots=16,
+                max_context=longest,
+                kv_budget=384 * MiB,
+                prefix_caching=caching,
+                prefix_match=match,
+                prefix_cache_share=share,
             )
             figures = run_closed_loop(llm, chats, args.concurrency)
             llm.close()
             rows.append({"table": workload, "cache": name, **figures})
+    for share in tqdm(SHARE_SWEEP, desc="share sweep"):
+        llm = LLM(max_slots=16, max_context=longest, kv_budget=384 * MiB, prefix_cache_share=share)
+        figures = run_closed_loop(llm, workloads["multi-turn chat"], args.concurrency)
+        llm.close()
+        rows.append({"table": "share sweep, multi-turn chat", "cache": f"on, share {share}", **figures})
     rows += fork_memory(args.system_tokens, 4)
     rows += single_prefill(system, [chat[0][len(system) :] for chat in workloads["system prompt"][:2]])
     rows.append(beam_forks(workloads["system prompt"][0][0]))
@@ -204,10 +232,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         (axes[3], "peak_held_kv_bytes", "peak KV bytes held (mapped + cached)"),
     ):
         workloads = list(dict.fromkeys(r["table"] for r in measured))
-        for offset, (name, _, _) in enumerate(CONFIGS):
+        width = 0.8 / len(CONFIGS)
+        for offset, (name, *_) in enumerate(CONFIGS):
             values = [next(r[key] for r in measured if r["table"] == w and r["cache"] == name) for w in workloads]
-            axis.bar([i + 0.27 * offset for i in range(len(workloads))], values, width=0.27, label=f"cache {name}")
-        axis.set_xticks([i + 0.27 for i in range(len(workloads))], workloads)
+            axis.bar([i + width * offset for i in range(len(workloads))], values, width=width, label=f"cache {name}")
+        axis.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads)
         axis.set_ylabel(label)
         axis.legend(fontsize=7)
     save_figure(fig, path, command_line())

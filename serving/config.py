@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.linear import QUANTIZATIONS
-from vattn.config import DTYPES
+from vattn.config import DTYPES, KVCacheConfig
 from vattn.kernels import KERNELS
 from vattn.paged import PAGED_KERNELS
 from vattn.sizes import KiB, MiB
@@ -47,6 +47,9 @@ class EngineConfig:
     virtual cache only); None: on for the virtual cache, off for the paged one."""
     prefix_match: str = "token"
     """A cached prefix reused to the token or in whole units (see vattn's KVCacheConfig.prefix_match)."""
+    prefix_cache_share: float = KVCacheConfig.prefix_cache_share
+    """The most of `kv_budget` that cached prefixes no running request maps may hold (see vattn's
+    KVCacheConfig.prefix_cache_share); 1.0 keeps them until their pages are needed, as vLLM does."""
     backend: str = "host"
     kernel: str = "auto"
     """Attention kernel: virtual cache, vattn.kernels.KERNELS (`auto`: `ragged` on the host,

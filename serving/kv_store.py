@@ -133,6 +133,7 @@ class VirtualKVStore(CacheStore):
             backend=config.backend,
             memory_budget=config.kv_budget,
             prefix_match=config.prefix_match,  # type: ignore[arg-type]
+            prefix_cache_share=config.prefix_cache_share,
         )
         cache = KVCache(cache_config)
         super().__init__(cache, make_kernel(config.attention_kernel, cache, shape.num_query_heads))

@@ -24,7 +24,7 @@ def test_help_lists_every_option() -> None:
     for option in (
         *("--model", "--dtype", "--host", "--port", "--page-size", "--max-slots", "--kv-budget", "--api-key"),
         *("--api-key-file", "--allowed-hosts", "--header-timeout", "--body-timeout", "--shutdown-timeout"),
-        *("--prefix-caching", "--no-prefix-caching"),
+        *("--prefix-caching", "--no-prefix-caching", "--prefix-cache-share"),
     ):
         assert option in result.stdout, option
 
@@ -52,6 +52,7 @@ def test_sizes_and_defaults() -> None:
         ["serve", "--header-timeout", "inf"],
         ["serve", "--allowed-hosts", "api*.example"],
         ["serve", "--allowed-hosts", ","],
+        ["serve", "--prefix-cache-share", "1.5"],
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -55,6 +55,8 @@ def test_budget_limits_the_pool_and_defaults_to_full_capacity() -> None:
         ({"dtype": torch.int32}, "dtype must be one of"),
         ({"layout": "paged"}, "layout must be one of"),
         ({"reclaim_watermark": 1.0}, "reclaim_watermark must be in"),
+        ({"prefix_cache_share": -0.1}, "prefix_cache_share must be in"),
+        ({"prefix_cache_share": "all"}, "prefix_cache_share must be in"),
         ({"lookahead_tokens": -1}, "lookahead_tokens must be an integer >= 0"),
         ({"eager_pages": -2}, "eager_pages must be an integer >= 0"),
         ({"memory_budget": 0}, "memory_budget must be a positive integer"),

@@ -310,19 +310,22 @@ def test_the_prefix_cache_changes_no_token_across_eviction() -> None:
     """Prompts behind a shared ~150-token system prompt and a unit of their own, 16 KiB pages
     (a unit is 64 tokens, 3 page groups), a budget of 21 page groups: a request needs 11 and the
     distinct units 18, so units are hit and evicted, and every greedy token equals the
-    engine's without a prefix cache."""
+    engine's without a prefix cache: with the cache kept until its pages are needed, and with
+    none of it kept once no slot maps it (the freed slot still maps the system prompt's units
+    for the next request)."""
     system = "You are a careful assistant for a lighthouse museum. " * 15
     prompts = [system + prompt + " " + PROMPTS[-1] for prompt in PROMPTS[:4]] * 2  # a unit of their own
     sizes = {**ENGINE, "max_slots": 1, "max_context": 256, "page_size": 16 << 10, "kv_budget": 20 << 20}
     params = SamplingParams(max_tokens=8, temperature=0)
     outputs = {}
-    for caching in (False, True):
-        llm = LLM(**sizes, prefix_caching=caching)
+    for caching, share in ((False, 1.0), (True, 1.0), (True, 0.0)):
+        llm = LLM(**sizes, prefix_caching=caching, prefix_cache_share=share)
         try:
-            outputs[caching] = run_staggered(llm, prompts, params)
+            outputs[caching, share] = run_staggered(llm, prompts, params)
             stats = llm.engine.stats().kv
             assert (stats.prefix.hits >= 2 * 64 * (len(prompts) - 2)) == caching  # the system prompt, mostly
             assert (stats.prefix.evictions > 0) == caching
+            assert stats.cached_bytes <= share * stats.pool_pages * stats.page_size
             cache = llm.engine.kv.cache
             cache.wait_for_background()
             cache.release_idle()
@@ -330,7 +333,7 @@ def test_the_prefix_cache_changes_no_token_across_eviction() -> None:
             assert cache.num_free_pages() == cache.stats().pool_pages
         finally:
             llm.close()
-    assert outputs[True] == outputs[False]
+    assert outputs[True, 1.0] == outputs[True, 0.0] == outputs[False, 1.0]
 
 
 def test_the_choices_of_a_prompt_fork_its_kv_and_sample_as_if_alone(llm: LLM) -> None:

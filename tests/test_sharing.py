@@ -178,7 +178,7 @@ def test_cached_pages_are_evicted_when_a_step_needs_them_and_all_come_back(make_
 
 
 def test_a_freed_slot_drops_only_shared_pages_and_keeps_deferred_reclamation(make_cache: MakeCache) -> None:
-    cache = make_cache(**ODD, max_slots=1, background=False)
+    cache = make_cache(**ODD, max_slots=1, background=False, prefix_cache_share=1.0)
     reqid = cache.alloc_reqid()
     write(cache, reqid, list(range(300)))  # 15 page groups, no sharing
     cache.free_reqid(reqid)
@@ -195,6 +195,50 @@ def test_a_freed_slot_drops_only_shared_pages_and_keeps_deferred_reclamation(mak
     cache.step({last: 1})  # not matched: the cached ones go, a page of its own comes
     assert len(cache.page_table(last)) == 1 and cache.page_table(last)[0] not in kept
     assert cache.stats().cached_bytes == 15 * cache.config.page_group_bytes  # 4 units, and the 44-token tail
+
+
+def test_the_prefix_cache_alone_holds_at_most_its_share_least_recently_used_first(make_cache: MakeCache) -> None:
+    """Entries whose pages no slot maps any more go, least recently used first, once they pass
+    `prefix_cache_share` of the pool: here two units' worth (2 x 3 groups of 8 pages)."""
+    cache = make_cache(**ODD, max_slots=1, background=False, memory_budget=192 * 4096, prefix_cache_share=0.25)
+    unit_pages = cache.config.unit_groups * cache.config.num_buffers
+    assert int(0.25 * cache.config.pool_pages) == 2 * unit_pages
+    prompts = {name: list(range(first, first + 64)) for name, first in (("a", 1000), ("b", 2000), ("c", 3000))}
+
+    def run(prompt: list[int]) -> int:
+        reqid = cache.alloc_reqid()
+        found = cache.match_prefix(reqid, prompt)
+        write(cache, reqid, prompt, start=found)
+        cache.cache_prefix(reqid, prompt)
+        cache.free_reqid(reqid)
+        assert cache.stats().cached_bytes <= 2 * unit_pages * 4096
+        return found
+
+    assert run(prompts["a"]) == run(prompts["b"]) == 0  # one unit each; a's pages now the cache's alone
+    assert run(prompts["a"] + [5] * 10) == 64  # a matched: the most recently used
+    assert run(prompts["c"]) == 0  # b's and a's pages now the cache's alone, with a's tail: b, the oldest, goes
+    assert cache.stats().prefix.evictions == 1
+    assert run(prompts["a"] + [6] * 10) == 64 and run(prompts["b"] + [6]) == 0
+    cache.check_invariants()
+
+
+def test_with_no_share_the_prefix_cache_keeps_only_what_slots_map(make_cache: MakeCache) -> None:
+    """`prefix_cache_share=0`: requests running together still share their prefix, but an entry
+    goes as soon as no slot maps its pages."""
+    cache = make_cache(**ODD, max_slots=2, background=False, prefix_cache_share=0.0)
+    prompt = list(range(100, 228))  # two units
+    first = cache.alloc_reqid()
+    write(cache, first, prompt)
+    cache.cache_prefix(first, prompt)
+    second = cache.alloc_reqid()
+    assert cache.match_prefix(second, [*prompt, 9]) == 128
+    assert cache.page_table(second)[:6] == cache.page_table(first)[:6]
+    cache.free_reqid(first)
+    cache.free_reqid(second)
+    cache.release_idle()
+    stats = cache.stats()
+    assert stats.cached_bytes == 0 and stats.prefix.evictions == 2  # both units
+    cache.check_invariants()
 
 
 def test_a_reused_slot_keeps_the_pages_its_new_prompt_shares(make_cache: MakeCache) -> None:

@@ -65,6 +65,12 @@ class KVCacheConfig:
     prefix_match: PrefixMatch = "token"
     """`match_prefix` reuses a cached prefix to the token (the part of a unit copied) or in
     whole units only (mapped, nothing copied)."""
+    prefix_cache_share: float = 0.25
+    """The share of the pool that prefix-cache entries may hold in pages no slot maps: past it,
+    the least recently used go at once. Pages that running or idle slots map cost the cache
+    nothing and do not count. 1.0 keeps entries until a step needs their pages (vLLM and
+    SGLang keep them until their preallocated pool is full; here that would commit the whole
+    budget's physical memory to entries that may never match again)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_slots", "max_context", "page_size"):
@@ -88,6 +94,8 @@ class KVCacheConfig:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.prefix_match not in PREFIX_MATCHES:
             raise ValueError(f"prefix_match must be one of {PREFIX_MATCHES}, got {self.prefix_match!r}")
+        if not (isinstance(self.prefix_cache_share, int | float) and 0.0 <= self.prefix_cache_share <= 1.0):
+            raise ValueError(f"prefix_cache_share must be in [0, 1], got {self.prefix_cache_share!r}")
         if not 0.0 <= self.reclaim_watermark < 1.0:
             raise ValueError(f"reclaim_watermark must be in [0, 1), got {self.reclaim_watermark!r}")
         if self.memory_budget is not None:

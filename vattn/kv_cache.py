@@ -117,6 +117,7 @@ class KVCache:
             for slot, n in targets:
                 slot.length = n
                 del slot.tail[max(0, n - len(slot.digests) * cfg.unit_tokens) :]  # a shrink drops its KV
+            self._policy.trim_prefix_cache()
         self._wake_mapper()
 
     # ---------------------------------------------------------------- sharing
@@ -150,6 +151,7 @@ class KVCache:
                 with contextlib.suppress(OutOfPagesError):
                     self._policy.copy_prefix(slot, partial.unit.pages, partial.tokens)
                     slot.length += partial.tokens
+            self._policy.trim_prefix_cache()
             self._prefix.counters.hits += slot.length
         self._wake_mapper()
         return slot.length
@@ -185,6 +187,7 @@ class KVCache:
             if child is None:
                 raise OutOfSlotsError(cfg.max_slots, sum(not s.active and s.pinned() for s in self._slots))
             whole = self._policy.fork(parent, child)
+            self._policy.trim_prefix_cache()
             parent.shared_groups = max(parent.shared_groups, whole)
             child.active, child.length, child.shared_groups = True, parent.length, whole
             child.digests, child.root = list(parent.digests), parent.root
@@ -326,12 +329,17 @@ class KVCache:
             idle = [(s, len(s.pages)) for s in self._slots if not s.active and s.pages and not s.pinned()]
             if idle:
                 self._pages.unmap_tail(idle)
+                self._policy.trim_prefix_cache()
 
     def check_invariants(self) -> dict[int, int]:
         """Raises AssertionError unless every page's references, and every slot's pages, are
-        consistent (see SlotPages.check_invariants); returns each active reqid's length."""
+        consistent (see SlotPages.check_invariants) and the prefix cache holds no more pages
+        alone than its share; returns each active reqid's length."""
         with self._lock:
             self._pages.check_invariants(self._slots, self._prefix)
+            limit = int(self.config.prefix_cache_share * self._pool.capacity)
+            if self._pool.num_cache_only > limit:
+                raise AssertionError(f"the prefix cache alone holds {self._pool.num_cache_only} pages, over {limit}")
             return {slot.index: slot.length for slot in self._slots if slot.active}
 
     def wait_for_background(self, timeout: float | None = None) -> bool:

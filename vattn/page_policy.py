@@ -98,6 +98,17 @@ class PagePolicy:
                 done = True
         return done
 
+    def trim_prefix_cache(self) -> None:
+        """Evicts least recently used prefix-cache entries that hold pages no slot maps until
+        those pages are within `prefix_cache_share` of the pool (entries whose pages are all
+        mapped somewhere cost nothing and stay)."""
+        limit = int(self.config.prefix_cache_share * self.pool.capacity)
+        for unit in self.prefix.units() if self.pool.num_cache_only > limit else ():
+            if self.pool.num_cache_only <= limit:
+                return
+            if any(self.pool.cache_only(page) for group in unit.pages for page in group):
+                self.prefix.evict(unit)
+
     def background_batch(self) -> list[int] | None:
         """Maps every active slot's next pages in one batch, or reclaims to
         the watermark, or pre-maps the next reqid. Returns addresses to populate, or None."""
@@ -114,6 +125,7 @@ class PagePolicy:
         if growth:
             return self.pages.map(growth, Origin.BACKGROUND)
         if self.pool.num_free < floor and self.reclaim(floor, {}, for_step=False):
+            self.trim_prefix_cache()
             return []
         nxt = self.next_free_slot()
         eager = min(cfg.eager_pages, cfg.slot_pages)

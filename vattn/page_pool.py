@@ -12,7 +12,9 @@ class PagePool:
     """Owns every physical page and counts who references it.
 
     A page's count is the number of slots that map it plus the prefix-cache entries that
-    hold it (as vLLM v1's block pool keeps the refcounts, not its users). A page nobody
+    hold it (as vLLM v1's block pool keeps the refcounts, not its users); the entries' share
+    of it is counted too, so that the pages only the prefix cache holds are known at any
+    time (what bounding the cache's footprint needs, see PagePolicy.trim_prefix_cache). A page nobody
     references goes back on a LIFO free list: on the host a recycled page is already
     faulted in, several times cheaper to map and touch than a fresh one. Pages are created
     lazily, so a cache costs nothing physical until it maps.
@@ -24,6 +26,10 @@ class PagePool:
         self._recycled: list[int] = []
         self._created: list[int] = []
         self._refs: dict[int, int] = {}
+        self._cache_refs: dict[int, int] = {}
+        """Of a page's references, those of prefix-cache entries."""
+        self.num_cache_only = 0
+        """Referenced pages all of whose references are prefix-cache entries'."""
         self.fresh_pages_taken = 0
         self.recycled_pages_taken = 0
 
@@ -38,6 +44,11 @@ class PagePool:
 
     def refs(self, page: int) -> int:
         return self._refs.get(page, 0)
+
+    def cache_only(self, page: int) -> bool:
+        """Whether only prefix-cache entries reference the page (no slot maps it)."""
+        refs = self._refs.get(page, 0)
+        return refs > 0 and self._cache_refs.get(page, 0) == refs
 
     def take(self, count: int) -> list[int]:
         """`count` free pages, each now referenced once."""
@@ -54,22 +65,35 @@ class PagePool:
             self._refs[page] = 1
         return pages
 
-    def share(self, pages: Iterable[int]) -> None:
-        """One more reference to each of these referenced pages."""
+    def share(self, pages: Iterable[int], by_cache: bool = False) -> None:
+        """One more reference to each of these referenced pages (a prefix-cache entry's if `by_cache`)."""
         for page in pages:
             if page not in self._refs:
                 raise ValueError(f"page {page} is free: only a referenced page can be shared")
+            was = self.cache_only(page)
             self._refs[page] += 1
+            if by_cache:
+                self._cache_refs[page] = self._cache_refs.get(page, 0) + 1
+            self.num_cache_only += self.cache_only(page) - was
 
-    def give_back(self, pages: Iterable[int]) -> None:
-        """Drops one reference to each page; one nobody references any more is free again."""
+    def give_back(self, pages: Iterable[int], by_cache: bool = False) -> None:
+        """Drops one reference to each page (a prefix-cache entry's if `by_cache`); one nobody
+        references any more is free again."""
         for page in pages:
+            was = self.cache_only(page)
+            if by_cache:
+                held = self._cache_refs[page] - 1
+                if held:
+                    self._cache_refs[page] = held
+                else:
+                    del self._cache_refs[page]
             left = self._refs[page] - 1
             if left:
                 self._refs[page] = left
             else:
                 del self._refs[page]
                 self._recycled.append(page)
+            self.num_cache_only += self.cache_only(page) - was
 
     def release_all(self) -> None:
         """Frees every created page; all must be unmapped (or their reservations gone)."""
@@ -77,3 +101,5 @@ class PagePool:
         self._created.clear()
         self._recycled.clear()
         self._refs.clear()
+        self._cache_refs.clear()
+        self.num_cache_only = 0

@@ -173,7 +173,7 @@ class PrefixCache:
         if digest in self._units:
             self._units.move_to_end(digest)
             return
-        self._pool.share(page for group in pages for page in group)
+        self._pool.share((page for group in pages for page in group), by_cache=True)
         self._units[digest] = CachedUnit(digest, [list(group) for group in pages], parent, tuple(tokens))
         self._children.setdefault(parent, {})[digest] = None
 
@@ -185,7 +185,7 @@ class PrefixCache:
         if not siblings:
             del self._children[unit.parent]
         self.counters.evictions += 1
-        self._pool.give_back(page for group in unit.pages for page in group)
+        self._pool.give_back((page for group in unit.pages for page in group), by_cache=True)
 
     def clear(self) -> None:
         for unit in self.units():

@@ -170,12 +170,19 @@ class SlotPages:
         # Two entries may hold one page: a child forked inside a unit of several pages shares
         # the parent's whole pages before the fork point, and its unit, keyed by other tokens
         # after it, is cached beside the parent's. Those pages hold the same KV for both.
+        mapped = set(references)
         references.update(page for unit in prefix.units() for group in unit.pages for page in group)
+        cache_only = len(references.keys() - mapped)
         problems = [
             *(f"page {p} has {pool.refs(p)} references, not {n}" for p, n in references.items() if pool.refs(p) != n),
             *(
                 [f"{len(references)} referenced + {pool.num_free} free pages != {pool.capacity}"]
                 if len(references) + pool.num_free != pool.capacity
+                else []
+            ),
+            *(
+                [f"{pool.num_cache_only} pages counted as held by the prefix cache only, not {cache_only}"]
+                if pool.num_cache_only != cache_only
                 else []
             ),
         ]

@@ -110,14 +110,13 @@ class CacheStats:
 
         active = pages(s for s in slots if s.active)
         idle = pages(s for s in slots if not s.active) - active
-        cached = {page for unit in prefix.units() for group in unit.pages for page in group} - active - idle
         return cls(
             page_size=config.page_size,
             pool_pages=pool.capacity,
             mapped_bytes=len(active | idle) * config.page_size,
             active_bytes=len(active) * config.page_size,
             idle_bytes=len(idle) * config.page_size,
-            cached_bytes=len(cached) * config.page_size,
+            cached_bytes=pool.num_cache_only * config.page_size,
             free_bytes=pool.num_free * config.page_size,
             used_bytes=sum(s.length for s in slots if s.active) * config.bytes_per_token * config.num_buffers,
             pages_created=pool.num_created,

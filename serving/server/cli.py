@@ -38,6 +38,13 @@ def positive(text: str) -> int:
     return value
 
 
+def share(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a share from 0 to 1, got {text}")
+    return value
+
+
 def seconds(text: str) -> float:
     value = float(text)
     if not 0 < value < math.inf:
@@ -97,6 +104,13 @@ def parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="map the KV pages of prompt prefixes seen before instead of computing them (default: on with "
         "the virtual cache; the paged one has none)",
+    )
+    serve.add_argument(
+        "--prefix-cache-share",
+        type=share,
+        default=defaults.prefix_cache_share,
+        help="the most of --kv-budget that cached prefixes no running request maps may hold; past it the "
+        "least recently used go (1.0: kept until their pages are needed, as in vLLM)",
     )
     serve.add_argument("--max-slots", type=positive, default=defaults.max_slots, help="requests running at once")
     serve.add_argument(
