@@ -8,15 +8,16 @@
   whole conversation so far (the previous prompt, its answer, a new question).
 
 For each, the engine with the prefix cache off, on matching whole units only (64 KiB pages: a
-unit is 256 tokens), on matching to the token, and the same with no bound on what the cache
-alone holds (`prefix_cache_share=1.0`): time to first token p50/p99, prompt tokens
+unit is 256 tokens), and on matching to the token: time to first token p50/p99, prompt tokens
 computed, hit rate, and two peaks of physical KV bytes: those the running requests map
 (what they need; a shared page counts once) and those held (mapped, idle slots' pages
-kept for reuse included, + cached: all of it reclaimable on demand). Last, the physical
-KV bytes of n = 4 copies of a `--system-tokens` request: 4 independent requests against
-one request forked 3 times (`KVCache.fork_reqid`: whole pages shared, the partial one copied).
-The multi-turn chat again for a sweep of `prefix_cache_share`: what the cache's bound costs
-in hits against what it saves in bytes held. Also: one request's TTFT alone, cold and with
+kept for reuse included, + cached: all of it reclaimable on demand). Then each workload
+again, matching to the token, for a sweep of `prefix_cache_share` (how much of the budget
+entries may hold in pages no slot maps; 1.0 keeps them until a step needs the pages, as vLLM
+and SGLang do): what the bound costs in hits against what it saves in bytes held. Last, the
+physical KV bytes of n = 4 copies of a `--system-tokens` request: 4 independent requests
+against one request forked 3 times (`KVCache.fork_reqid`: whole pages shared, the partial
+one copied). Also: one request's TTFT alone, cold and with
 its system prompt cached; and what beam search (width 4, 16 tokens) after the system prompt
 shares and copies by forking.
 
@@ -43,16 +44,10 @@ from vattn import KVCache, KVCacheConfig
 from vattn.sizes import KiB, MiB
 
 SHARE = KVCacheConfig.prefix_cache_share
-CONFIGS = (
-    ("off", False, "token", SHARE),
-    ("on, whole units", True, "unit", SHARE),
-    ("on", True, "token", SHARE),
-    ("on, unbounded", True, "token", 1.0),
-)
-"""(name, prefix caching, prefix_match, prefix_cache_share): the cache off, matching whole
-256-token units only (64 KiB pages), matching to the token (the part of a unit copied), each
-holding at most the default share of the budget in pages no slot maps; and matching to the
-token with entries kept until a step needs their pages (vLLM's and SGLang's policy)."""
+CONFIGS = (("off", False, "token"), ("on, whole units", True, "unit"), ("on", True, "token"))
+"""(name, prefix caching, prefix_match): the cache off, matching whole 256-token units only
+(64 KiB pages), and matching to the token (the part of a unit copied), at the default
+`prefix_cache_share`."""
 SHARE_SWEEP = (0.0, 0.1, 0.25, 0.5, 1.0)
 OUTPUT_TOKENS = 16
 
@@ -124,13 +119,12 @@ def fork_memory(tokens: int, copies: int) -> list[dict[str, Any]]:
 def single_prefill(system: list[int], questions: list[list[int]]) -> list[dict[str, Any]]:
     """TTFT of one request alone: cold, then (another question) with the system prompt cached."""
     rows = []
-    for name, _, match, share in CONFIGS[1:3]:
+    for name, _, match in CONFIGS[1:]:
         llm = LLM(
             max_slots=4,
             max_context=len(system) + 64,
             kv_budget=256 * MiB,
             prefix_match=match,
-            prefix_cache_share=share,
         )
         params = SamplingParams(max_tokens=1, temperature=0)
         llm.generate([system[::-1] + questions[0]], params, use_tqdm=False)  # warm-up, sharing nothing
@@ -190,24 +184,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     longest = max(args.system_tokens + 20, 300 + 40 * (args.turns - 1) + OUTPUT_TOKENS * args.turns) + 64
     rows: list[dict[str, Any]] = []
-    for workload, chats in workloads.items():
-        for name, caching, match, share in tqdm(CONFIGS, desc=workload):
-            llm = LLM(
-                max_slots=16,
-                max_context=longest,
-                kv_budget=384 * MiB,
-                prefix_caching=caching,
-                prefix_match=match,
-                prefix_cache_share=share,
-            )
-            figures = run_closed_loop(llm, chats, args.concurrency)
-            llm.close()
-            rows.append({"table": workload, "cache": name, **figures})
-    for share in tqdm(SHARE_SWEEP, desc="share sweep"):
-        llm = LLM(max_slots=16, max_context=longest, kv_budget=384 * MiB, prefix_cache_share=share)
-        figures = run_closed_loop(llm, workloads["multi-turn chat"], args.concurrency)
+    runs = [(workload, name, caching, match, SHARE) for workload in workloads for name, caching, match in CONFIGS]
+    sweep = [share for share in SHARE_SWEEP if share != SHARE]
+    runs += [(workload, f"on, share {share}", True, "token", share) for workload in workloads for share in sweep]
+    for workload, name, caching, match, share in tqdm(runs, desc="runs"):
+        llm = LLM(
+            max_slots=16,
+            max_context=longest,
+            kv_budget=384 * MiB,
+            prefix_caching=caching,
+            prefix_match=match,
+            prefix_cache_share=share,
+        )
+        figures = run_closed_loop(llm, workloads[workload], args.concurrency)
         llm.close()
-        rows.append({"table": "share sweep, multi-turn chat", "cache": f"on, share {share}", **figures})
+        rows.append({"table": workload, "cache": name, "prefix_cache_share": share if caching else None, **figures})
     rows += fork_memory(args.system_tokens, 4)
     rows += single_prefill(system, [chat[0][len(system) :] for chat in workloads["system prompt"][:2]])
     rows.append(beam_forks(workloads["system prompt"][0][0]))
@@ -223,22 +214,37 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    measured = [r for r in rows if r["table"] in ("system prompt", "short system prompt", "multi-turn chat")]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    workloads = ["system prompt", "short system prompt", "multi-turn chat"]
+    measured = [r for r in rows if r["table"] in workloads]
+    fig, axes = plt.subplots(1, 5, figsize=(22, 4))
+    width = 0.8 / len(CONFIGS)
     for axis, key, label in (
         (axes[0], "ttft_p50_s", "TTFT p50 (s)"),
         (axes[1], "prompt_tokens_computed", "prompt tokens computed"),
         (axes[2], "peak_active_kv_bytes", "peak KV bytes of running requests"),
         (axes[3], "peak_held_kv_bytes", "peak KV bytes held (mapped + cached)"),
     ):
-        workloads = list(dict.fromkeys(r["table"] for r in measured))
-        width = 0.8 / len(CONFIGS)
         for offset, (name, *_) in enumerate(CONFIGS):
             values = [next(r[key] for r in measured if r["table"] == w and r["cache"] == name) for w in workloads]
             axis.bar([i + width * offset for i in range(len(workloads))], values, width=width, label=f"cache {name}")
-        axis.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads)
+        axis.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads, fontsize=8)
         axis.set_ylabel(label)
         axis.legend(fontsize=7)
+    sweep = axes[4]
+    for workload in workloads:
+        points = sorted(
+            (r["prefix_cache_share"], r["peak_held_kv_bytes"] / 1e6, r["hit_rate"])
+            for r in measured
+            if r["table"] == workload and r["prefix_cache_share"] is not None and r["cache"] != "on, whole units"
+        )
+        off = next(r["peak_held_kv_bytes"] / 1e6 for r in measured if r["table"] == workload and r["cache"] == "off")
+        line = sweep.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=workload)[0]
+        sweep.axhline(off, color=line.get_color(), linestyle=":", linewidth=1)
+        for share, held, hits in points:
+            sweep.annotate(f"{hits:.0%}", (share, held), fontsize=7, textcoords="offset points", xytext=(0, 4))
+    sweep.set_xlabel("prefix_cache_share (labels: hit rate; dotted: cache off)")
+    sweep.set_ylabel("peak KV MB held, matching to the token")
+    sweep.legend(fontsize=7)
     save_figure(fig, path, command_line())
 
 
