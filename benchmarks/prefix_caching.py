@@ -5,7 +5,10 @@
   when one ends), 16 output tokens each; and the same with a `--short-system-tokens` one,
   which ends inside the first 256-token unit.
 - multi-turn chat: `--chats` conversations of `--turns` turns; each turn's prompt is the
-  whole conversation so far (the previous prompt, its answer, a new question).
+  whole conversation so far (the previous prompt, its answer, a new question); a chat's
+  next turn queues behind the chats already waiting.
+- many chats: `--many-chats` conversations of 3 turns, more than the idle slots whose kept
+  pages could hold their histories: what the cache keeps of them alone decides the hits.
 
 For each, the engine with the prefix cache off, on matching whole units only (64 KiB pages: a
 unit is 256 tokens), and on matching to the token: time to first token p50/p99, prompt tokens
@@ -27,6 +30,7 @@ shares and copies by forking.
 from __future__ import annotations
 
 import argparse
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -58,22 +62,23 @@ def random_ids(generator: torch.Generator, count: int) -> list[int]:
 
 def run_closed_loop(llm: LLM, chats: list[list[list[int]]], concurrency: int) -> dict[str, Any]:
     """Runs each chat's turns in order (turn k's prompt: turn k-1's prompt and answer, then
-    its own new tokens), `concurrency` chats in flight; per-request TTFT and cache figures."""
+    its own new tokens), `concurrency` chats in flight; a chat whose turn ends queues its next
+    behind the chats already waiting, as users who read an answer before they reply do.
+    Per-request TTFT and cache figures."""
     engine, params = llm.engine, SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True)
     pending = [list(chat) for chat in chats]
+    waiting = deque(range(len(chats)))
     history: dict[int, list[int]] = {}
     running: dict[str, int] = {}
     ttft, computed, prompt_tokens, peak_active, peak_held = [], 0, 0, 0, 0
     total = sum(map(len, chats))
     with tqdm(total=total, desc="requests", leave=False) as bar:
-        while any(pending) or running:
-            for chat in range(len(pending)):
-                if len(running) >= concurrency:
-                    break
-                if pending[chat] and chat not in running.values():
-                    prompt = history.get(chat, []) + pending[chat].pop(0)
-                    history[chat] = prompt
-                    running[engine.add_request(prompt, params)] = chat
+        while waiting or running:
+            while waiting and len(running) < concurrency:
+                chat = waiting.popleft()
+                prompt = history.get(chat, []) + pending[chat].pop(0)
+                history[chat] = prompt
+                running[engine.add_request(prompt, params)] = chat
             finished = [delta.request_id for delta in engine.step() if delta.finished]
             kv = engine.stats().kv
             peak_active = max(peak_active, kv.active_bytes)
@@ -82,6 +87,8 @@ def run_closed_loop(llm: LLM, chats: list[list[list[int]]], concurrency: int) ->
                 chat = running.pop(request_id)
                 output = engine.result(request_id)
                 history[chat] = history[chat] + output.token_ids
+                if pending[chat]:
+                    waiting.append(chat)
                 ttft.append(output.ttft or 0.0)
                 prompt_tokens += len(output.prompt_token_ids)
                 computed += len(output.prompt_token_ids) - output.cached_tokens
@@ -167,12 +174,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--short-system-tokens", type=int, default=150, help="a system prompt inside one unit")
     parser.add_argument("--chats", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument(
+        "--many-chats", type=int, default=32, help="chats of 3 turns whose histories outnumber the idle slots"
+    )
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="a tiny run that checks the script")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     if args.quick:
-        args.questions, args.system_tokens, args.chats, args.turns = 4, 300, 2, 2
+        args.questions, args.system_tokens, args.chats, args.turns, args.many_chats = 4, 300, 2, 2, 4
     generator = torch.Generator().manual_seed(0)
     system, short = random_ids(generator, args.system_tokens), random_ids(generator, args.short_system_tokens)
     workloads = {
@@ -180,6 +190,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "short system prompt": [[short + random_ids(generator, 20)] for _ in range(args.questions)],
         "multi-turn chat": [
             [random_ids(generator, 300 if turn == 0 else 40) for turn in range(args.turns)] for _ in range(args.chats)
+        ],
+        "many chats": [
+            [random_ids(generator, 300 if turn == 0 else 40) for turn in range(3)] for _ in range(args.many_chats)
         ],
     }
     longest = max(args.system_tokens + 20, 300 + 40 * (args.turns - 1) + OUTPUT_TOKENS * args.turns) + 64
@@ -214,9 +227,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    workloads = ["system prompt", "short system prompt", "multi-turn chat"]
-    measured = [r for r in rows if r["table"] in workloads]
-    fig, axes = plt.subplots(1, 5, figsize=(22, 4))
+    measured = [r for r in rows if "peak_held_kv_bytes" in r]
+    workloads = list(dict.fromkeys(r["table"] for r in measured))
+    fig, axes = plt.subplots(1, 5, figsize=(24, 4))
     width = 0.8 / len(CONFIGS)
     for axis, key, label in (
         (axes[0], "ttft_p50_s", "TTFT p50 (s)"),
