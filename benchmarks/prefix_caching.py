@@ -7,8 +7,10 @@
 - multi-turn chat: `--chats` conversations of `--turns` turns; each turn's prompt is the
   whole conversation so far (the previous prompt, its answer, a new question); a chat's
   next turn queues behind the chats already waiting.
-- many chats: `--many-chats` conversations of 3 turns, more than the idle slots whose kept
-  pages could hold their histories: what the cache keeps of them alone decides the hits.
+- many chats: `--many-chats` conversations of 3 turns: each chat returns after all the others
+  have had a turn, when the slot that kept its pages has been handed out again, so what the
+  cache holds alone decides the hits (and least-recently-used eviction finds nothing unless
+  every history fits).
 
 For each, the engine with the prefix cache off, on matching whole units only (64 KiB pages: a
 unit is 256 tokens), and on matching to the token: time to first token p50/p99, prompt tokens
@@ -175,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--chats", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument(
-        "--many-chats", type=int, default=32, help="chats of 3 turns whose histories outnumber the idle slots"
+        "--many-chats", type=int, default=12, help="chats of 3 turns, each returning after all the others"
     )
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="a tiny run that checks the script")
