@@ -65,7 +65,7 @@ class KVCacheConfig:
     prefix_match: PrefixMatch = "token"
     """`match_prefix` reuses a cached prefix to the token (the part of a unit copied) or in
     whole units only (mapped, nothing copied)."""
-    prefix_cache_share: float = 0.1
+    prefix_cache_share: float = 0.5
     """The share of the pool that prefix-cache entries may hold in pages no slot maps: past it,
     the least recently used go at once. Pages that running or idle slots map cost the cache
     nothing and do not count. 1.0 keeps entries until a step needs their pages (vLLM and
