@@ -14,7 +14,7 @@ NATIVE := vattn/libvattn_native.so
 OPS := vattn/libvattn_ops.so
 FAKE_CUDA := build/libfakecuda.so
 
-.PHONY: setup native model serve test fuzz lint bench repro clean peers peer-vllm peer-llamacpp peer-llamacpp-avx2 peer-hf \
+.PHONY: setup native model serve test fuzz lint bench repro clean router router-smg peers peer-vllm peer-llamacpp peer-llamacpp-avx2 peer-hf \
 	peer-openvino
 
 # After the venv, the libraries and the model are independent: built two at a time.
@@ -69,6 +69,7 @@ serve: setup
 	$(VENV)/bin/vattn serve $(SERVE_ARGS)
 
 test: setup
+	@$(MAKE) --no-print-directory router || echo "warning: vllm-router could not be installed: tests/test_replicas.py skips"
 	$(PY) -m pytest -q
 
 # The property tests and the schemathesis fuzz with new random seeds and 20x the examples
@@ -107,6 +108,23 @@ LLAMA_DIR := $(PEERS)/llamacpp
 LLAMA_SRC := $(LLAMA_DIR)/src/vendor/llama.cpp
 
 peers: peer-vllm peer-llamacpp peer-hf peer-openvino
+
+# The routers `vattn replicas` (serving/replicas.py) starts in front of vattn replicas, in their own
+# venv: vllm-router (the end-to-end test's, installed by `make test`) and SMG on demand.
+ROUTER_VENV := $(PEERS)/router
+VLLM_ROUTER := vllm-router==0.1.17
+SMG := smg==1.13.0
+
+router: $(ROUTER_VENV)/bin/vllm-router
+router-smg: $(ROUTER_VENV)/bin/smg
+
+$(ROUTER_VENV)/bin/vllm-router:
+	test -x $(ROUTER_VENV)/bin/python || $(PYTHON) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/pip install --quiet $(VLLM_ROUTER)
+
+$(ROUTER_VENV)/bin/smg:
+	test -x $(ROUTER_VENV)/bin/python || $(PYTHON) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/pip install --quiet $(SMG)
 
 # vLLM's CPU build; its wheel pins torch==2.13.0+cpu, which the CPU wheel above satisfies.
 peer-vllm: $(PEERS)/vllm/.installed

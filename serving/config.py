@@ -50,6 +50,12 @@ class EngineConfig:
     prefix_cache_share: float = KVCacheConfig.prefix_cache_share
     """The most of `kv_budget` that cached prefixes no running request maps may hold (see vattn's
     KVCacheConfig.prefix_cache_share); 1.0 keeps them until their pages are needed, as vLLM does."""
+    kv_events_endpoint: str | None = None
+    """Publish the prefix cache's stores and evictions here as vLLM's KV events (ZMQ PUB,
+    serving.kv_events), e.g. tcp://*:5557; None: not published."""
+    kv_events_replay_endpoint: str | None = None
+    """A ZMQ ROUTER endpoint that replays buffered event batches from a sequence number on."""
+    kv_events_topic: str = ""
     backend: str = "host"
     kernel: str = "auto"
     """Attention kernel: virtual cache, vattn.kernels.KERNELS (`auto`: `ragged` on the host,
@@ -79,6 +85,12 @@ class EngineConfig:
             object.__setattr__(self, "prefix_caching", self.kv_cache == "virtual")
         elif self.prefix_caching and self.kv_cache != "virtual":
             raise ValueError("prefix caching shares the virtual cache's pages: the paged baseline has none")
+        if self.kv_events_endpoint is not None and not self.prefix_caching:
+            raise ValueError(
+                "KV events announce the prefix cache's units: they need prefix caching on the virtual cache"
+            )
+        if self.kv_events_endpoint is None and self.kv_events_replay_endpoint is not None:
+            raise ValueError("a KV events replay endpoint needs kv_events_endpoint too")
         if self.page_size is None:
             object.__setattr__(self, "page_size", 2 * MiB if self.backend == "cuda" else 64 * KiB)
         kernels = KERNELS if self.kv_cache == "virtual" else PAGED_KERNELS

@@ -21,6 +21,7 @@ from serving.config import EngineConfig
 from serving.default_model import ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
 from serving.executor import ModelExecutor
+from serving.kv_events import kv_event_publisher
 from serving.kv_store import KVStore, make_kv_store
 from serving.model_loader import load_model, model_shape, return_freed_memory
 from serving.outputs import RequestOutput, StreamDelta
@@ -88,6 +89,8 @@ class LLMEngine:
         return_freed_memory()
         self._changed: dict[Request, None] = {}
         """Requests that moved since the last step() returned (ordered, no repeats)."""
+        self._kv_events = kv_event_publisher(config)
+        """Publishes the prefix cache's changes after each step (vLLM's KV events), if configured."""
 
     # ------------------------------------------------------------------ requests
 
@@ -187,6 +190,8 @@ class LLMEngine:
             self._run(batch.requests, batch.new_tokens, samples)
         deltas = [delta for request in list(self._changed) if (delta := self._safe_delta(request)) is not None]
         self._changed.clear()
+        if self._kv_events is not None:
+            self._kv_events.publish(self.kv.take_events())
         return deltas
 
     def _run(self, requests: list[Request], new_tokens: list[int], samples: list[bool]) -> None:
@@ -299,5 +304,13 @@ class LLMEngine:
             request.error,
         )
 
+    def reset_prefix_cache(self) -> None:
+        """Drops every prefix-cache entry (vLLM's reset_prefix_cache), announced at once."""
+        self.kv.reset_prefix_cache()
+        if self._kv_events is not None:
+            self._kv_events.publish(self.kv.take_events())
+
     def close(self) -> None:
+        if self._kv_events is not None:
+            self._kv_events.close()
         self.kv.close()

@@ -20,6 +20,7 @@ from vattn import CacheStats, KVCache, KVCacheConfig
 from vattn.errors import CapacityError
 from vattn.kernels import make_kernel
 from vattn.paged import PagedKVCache, PagedKVCacheConfig, make_paged_kernel
+from vattn.prefix_cache import CacheEvent
 
 
 class IterationBatch(Protocol):
@@ -72,6 +73,11 @@ class KVStore(Protocol):
 
     def stats(self) -> CacheStats: ...
 
+    def take_events(self) -> list[CacheEvent]:
+        """The prefix cache's stores and evictions since the last call (vattn.prefix_cache)."""
+
+    def reset_prefix_cache(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -114,6 +120,12 @@ class CacheStore:
     def stats(self) -> CacheStats:
         return self.cache.stats()
 
+    def take_events(self) -> list[CacheEvent]:
+        return []
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
     def close(self) -> None:
         self.cache.close()
 
@@ -134,6 +146,7 @@ class VirtualKVStore(CacheStore):
             memory_budget=config.kv_budget,
             prefix_match=config.prefix_match,  # type: ignore[arg-type]
             prefix_cache_share=config.prefix_cache_share,
+            record_events=config.kv_events_endpoint is not None,
         )
         cache = KVCache(cache_config)
         super().__init__(cache, make_kernel(config.attention_kernel, cache, shape.num_query_heads))
@@ -149,6 +162,12 @@ class VirtualKVStore(CacheStore):
     def remember(self, slot: int, token_ids: Sequence[int]) -> None:
         if self._prefix_caching:
             self.cache.cache_prefix(slot, token_ids)
+
+    def take_events(self) -> list[CacheEvent]:
+        return self.cache.take_events()
+
+    def reset_prefix_cache(self) -> None:
+        self.cache.evict_prefix_cache()
 
     def fork(self, slot: int) -> int | None:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from importlib.metadata import version as package_version
 
 import httpx
 import openai
@@ -25,9 +26,13 @@ def client(server: LiveServer) -> openai.OpenAI:
     return openai_client(server)
 
 
-def test_models_and_health(server: LiveServer, client: openai.OpenAI) -> None:
+def test_models_health_and_the_probes_routers_use(server: LiveServer, client: openai.OpenAI) -> None:
     assert [model.id for model in client.models.list()] == [MODEL]
+    [card] = httpx.get(f"{server.url}/v1/models").json()["data"]
+    assert card["max_model_len"] == server.engine.max_context and card["root"].endswith("SmolLM2-135M-Instruct")
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/version").json()["version"] == package_version("vattn")
+    assert httpx.get(f"{server.url}/get_load").json() == {"load": 0}  # vllm-router's power_of_two polls it
 
 
 def test_completion_is_greedy_and_counts_tokens(client: openai.OpenAI) -> None:

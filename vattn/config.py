@@ -72,6 +72,10 @@ class KVCacheConfig:
     SGLang keep them until their preallocated pool is full; here that would commit the whole
     budget's physical memory to entries that may never match again)."""
 
+    record_events: bool = False
+    """List the prefix cache's stores and evictions for `KVCache.take_events` (what a server
+    publishes as vLLM's KV events); off, nothing accumulates."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_slots", "max_context", "page_size"):
             require_positive_int(name, getattr(self, name))

@@ -17,7 +17,7 @@ from vattn.mapper import BackgroundMapper
 from vattn.memory import CacheMemory, Lease
 from vattn.page_policy import PagePolicy
 from vattn.page_pool import PagePool
-from vattn.prefix_cache import ROOT, PrefixCache, token_ids
+from vattn.prefix_cache import ROOT, CacheEvent, PrefixCache, token_ids
 from vattn.slot import Origin, Slot
 from vattn.slot_pages import SlotPages
 from vattn.stats import CacheStats, MappingCounters
@@ -43,7 +43,7 @@ class KVCache:
         self.backend: VMMBackend = make_backend(config)
         self._slots = [Slot(i) for i in range(config.max_slots)]
         self._pool = PagePool(self.backend, config.pool_pages)
-        self._prefix = PrefixCache(self._pool)
+        self._prefix = PrefixCache(self._pool, config.record_events)
         memory = CacheMemory(config, self.backend, self._slots, self._pool)
         whole, self._layers, self._scales = memory.open()
         """Each layer's K and V virtual tensors, for the kernels (`layer_tensors`)."""
@@ -200,6 +200,17 @@ class KVCache:
         with self._lock:
             self._check_open()
             return [self._frozen_tokens(self._active_slot(reqid)) for reqid in reqids]
+
+    def prefix_digests(self) -> list[bytes]:
+        """The digests of the whole units the prefix cache holds, least recently used first."""
+        with self._lock:
+            return [unit.digest for unit in self._prefix.units() if unit.whole]
+
+    def take_events(self) -> list[CacheEvent]:
+        """The prefix cache's stores, removals and clears since the last call, oldest first
+        (`KVCacheConfig.record_events`; otherwise none)."""
+        with self._lock:
+            return self._prefix.take_events()
 
     def evict_prefix_cache(self) -> None:
         """Drops every prefix-cache entry (pages no slot maps become free)."""

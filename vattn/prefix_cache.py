@@ -16,6 +16,11 @@ matches single tokens but walks a node per divergence. Here a prefix costs one l
 unit plus one comparison inside the last, and only the part of a unit that differs is
 computed again.
 
+With `record_events`, the cache lists what it stores and drops (`take_events`), as vLLM's
+block pool does for its KV events: whole units stored (a run of them per registration),
+whole units removed, everything cleared. Partial units (tails) are not announced: a router
+that hashes whole blocks could never match them.
+
 The cache holds one reference to each page of each entry (the pool counts them). Entries
 are evicted least recently used first; a match refreshes a prefix leaf first, so a
 parent always outlives its children and no entry is left unreachable while its parent
@@ -61,6 +66,35 @@ class CachedUnit:
     """The digest before it (its salt's root for a first unit)."""
     tokens: tuple[int, ...] = ()
     """Its tokens, for matches that end inside it."""
+    whole: bool = True
+    """A full unit (False: a tail, found only by matches that end inside it)."""
+
+
+@dataclass(frozen=True)
+class UnitsStored:
+    """Whole units newly cached, each after the one before it."""
+
+    digests: tuple[bytes, ...]
+    parent: bytes | None
+    """The unit before the first, None when the first begins its prompt."""
+    tokens: tuple[int, ...]
+    """Every token of the units, in order."""
+    unit_tokens: int
+
+
+@dataclass(frozen=True)
+class UnitsRemoved:
+    """Whole units evicted."""
+
+    digests: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class CacheCleared:
+    """Every entry dropped at once (`evict_prefix_cache`)."""
+
+
+CacheEvent = UnitsStored | UnitsRemoved | CacheCleared
 
 
 @dataclass(frozen=True)
@@ -86,8 +120,9 @@ class PrefixCounters:
 class PrefixCache:
     """Digest -> cached unit, in least-recently-used order; see the module docstring."""
 
-    def __init__(self, pool: PagePool) -> None:
+    def __init__(self, pool: PagePool, record_events: bool = False) -> None:
         self._pool = pool
+        self._events: list[CacheEvent] | None = [] if record_events else None
         self._units: OrderedDict[bytes, CachedUnit] = OrderedDict()
         self._children: dict[bytes, dict[bytes, None]] = {}
         """Parent digest -> digests of the units cached after it, oldest first (a dict: ties go
@@ -153,11 +188,16 @@ class PrefixCache:
         done = len(slot.digests)
         new = token_ids(tokens[done * unit : len(tokens) // unit * unit])
         parent = slot.digests[-1] if slot.digests else slot.root
+        stored: list[tuple[bytes, list[int]]] = []  # the run of units cached anew, announced together
         for index, digest in enumerate(unit_digests(new, len(new) // unit, unit, parent), done):
             unit_tokens = new[(index - done) * unit : (index - done + 1) * unit]
-            self.insert(digest, slot.pages[index * groups : (index + 1) * groups], parent, unit_tokens)
+            if self.insert(digest, slot.pages[index * groups : (index + 1) * groups], parent, unit_tokens):
+                stored.append((digest, unit_tokens))
+            else:
+                self._announce(stored, index, unit)
             slot.digests.append(digest)
             parent = digest
+        self._announce(stored, len(slot.digests), unit)
 
     def register_tail(self, slot: Slot, groups: int, tail_groups: int) -> None:
         """Caches the tokens of an ending request after its last whole unit (`slot.tail`, in its
@@ -165,20 +205,42 @@ class PrefixCache:
         that end inside it."""
         first = len(slot.digests) * groups
         parent = slot.digests[-1] if slot.digests else slot.root
-        self.insert(chain_digest(parent, slot.tail), slot.pages[first : first + tail_groups], parent, slot.tail)
+        pages = slot.pages[first : first + tail_groups]
+        self.insert(chain_digest(parent, slot.tail), pages, parent, slot.tail, whole=False)
 
-    def insert(self, digest: bytes, pages: list[list[int]], parent: bytes, tokens: Sequence[int]) -> None:
-        """Keeps a full unit's pages under its digest (one reference each), listed after its
-        parent; a digest already cached keeps its pages (the same KV)."""
+    def insert(
+        self, digest: bytes, pages: list[list[int]], parent: bytes, tokens: Sequence[int], whole: bool = True
+    ) -> bool:
+        """Keeps a unit's pages under its digest (one reference each), listed after its parent;
+        a digest already cached keeps its pages (the same KV). Whether it was new."""
         if digest in self._units:
             self._units.move_to_end(digest)
-            return
+            return False
         self._pool.share((page for group in pages for page in group), by_cache=True)
-        self._units[digest] = CachedUnit(digest, [list(group) for group in pages], parent, tuple(tokens))
+        self._units[digest] = CachedUnit(digest, [list(group) for group in pages], parent, tuple(tokens), whole)
         self._children.setdefault(parent, {})[digest] = None
+        return True
 
     def evict(self, unit: CachedUnit) -> None:
         """Drops an entry and its references (pages no slot maps become free)."""
+        self._drop(unit)
+        if self._events is not None and unit.whole:
+            self._events.append(UnitsRemoved((unit.digest,)))
+
+    def clear(self) -> None:
+        for unit in self.units():
+            self._drop(unit)
+        if self._events is not None:
+            self._events.append(CacheCleared())
+
+    def take_events(self) -> list[CacheEvent]:
+        """What was stored and removed since the last call, in order (none unless recording)."""
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def _drop(self, unit: CachedUnit) -> None:
         del self._units[unit.digest]
         siblings = self._children[unit.parent]
         del siblings[unit.digest]
@@ -187,9 +249,15 @@ class PrefixCache:
         self.counters.evictions += 1
         self._pool.give_back((page for group in unit.pages for page in group), by_cache=True)
 
-    def clear(self) -> None:
-        for unit in self.units():
-            self.evict(unit)
+    def _announce(self, stored: list[tuple[bytes, list[int]]], end: int, unit: int) -> None:
+        """Records the run `stored` of units cached anew, which ends before unit `end` of its prompt,
+        and empties it."""
+        if self._events is not None and stored:
+            first = end - len(stored)
+            parent = self._units[stored[0][0]].parent if first else None
+            tokens = tuple(token for _, unit_tokens in stored for token in unit_tokens)
+            self._events.append(UnitsStored(tuple(digest for digest, _ in stored), parent, tokens, unit))
+        stored.clear()
 
 
 def token_ids(tokens: Sequence[int]) -> list[int]:

@@ -50,7 +50,7 @@ def build_app(settings: ServerSettings) -> FastAPI:
     add_error_handlers(app)
     app.include_router(public_routes(engine, metrics))
     authorized = [Depends(_authorizer(settings.api_key))]
-    app.include_router(v1_routes(engine, model_name), dependencies=authorized)
+    app.include_router(v1_routes(engine, model_name, str(settings.engine_config.model)), dependencies=authorized)
     app.include_router(docs_routes(app), dependencies=authorized)
     return app
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -14,6 +15,8 @@ from pathlib import Path
 
 from serving.config import KV_CACHE_DTYPES, KV_CACHES, MODEL_DTYPES, EngineConfig
 from serving.linear import QUANTIZATIONS
+from serving.replicas import ROUTERS, ReplicaPlan, parse_serve_args
+from serving.replicas import run as run_replicas
 from serving.server.settings import LOOPBACK_HOSTS, ServerSettings
 from vattn.backends import BACKENDS
 from vattn.kernels import KERNELS
@@ -60,6 +63,32 @@ def host_names(text: str) -> tuple[str, ...]:
     return names
 
 
+KV_EVENTS_KEYS = {
+    "endpoint": "kv_events_endpoint",
+    "replay_endpoint": "kv_events_replay_endpoint",
+    "topic": "kv_events_topic",
+}
+
+
+def kv_events_config(text: str) -> dict[str, str | None]:
+    """vLLM's --kv-events-config JSON -> the EngineConfig fields it sets (none when not enabled)."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    unsupported = sorted(set(config) - {*KV_EVENTS_KEYS, "enable_kv_cache_events", "publisher"})
+    if unsupported:
+        raise argparse.ArgumentTypeError(f"unsupported keys {unsupported}; vattn reads {sorted(KV_EVENTS_KEYS)}")
+    enabled = config.get("enable_kv_cache_events", False) and config.get("publisher", "zmq") == "zmq"
+    if not enabled:
+        return {}
+    return {"kv_events_endpoint": "tcp://*:5557"} | {
+        KV_EVENTS_KEYS[k]: v for k, v in config.items() if k in KV_EVENTS_KEYS
+    }
+
+
 def key_file(path: str) -> str:
     """The API key in a file (its trailing newline dropped)."""
     try:
@@ -80,7 +109,7 @@ def parser() -> argparse.ArgumentParser:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-        "/v1/models, /health, /metrics).",
+        "/v1/models, /health, /metrics, and /version and /get_load for routers).",
         formatter_class=DefaultsHelpFormatter,
     )
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model (vLLM's positional form)")
@@ -111,6 +140,22 @@ def parser() -> argparse.ArgumentParser:
         default=defaults.prefix_cache_share,
         help="the most of --kv-budget that cached prefixes no running request maps may hold; past it the "
         "least recently used go (1.0: kept until their pages are needed, as in vLLM)",
+    )
+    serve.add_argument(
+        "--kv-events-endpoint",
+        metavar="ZMQ_ENDPOINT",
+        help="publish the prefix cache's stores and evictions as vLLM's KV events on this ZMQ PUB endpoint, e.g. "
+        "tcp://*:5557 (bound; a host without wildcard is connected to)",
+    )
+    serve.add_argument(
+        "--kv-events-replay-endpoint", metavar="ZMQ_ENDPOINT", help="a ZMQ ROUTER endpoint that replays missed batches"
+    )
+    serve.add_argument("--kv-events-topic", default="", help="the topic frame of every KV events message")
+    serve.add_argument(
+        "--kv-events-config",
+        type=kv_events_config,
+        metavar="JSON",
+        help='vLLM\'s form of the three above, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
     )
     serve.add_argument("--max-slots", type=positive, default=defaults.max_slots, help="requests running at once")
     serve.add_argument(
@@ -186,12 +231,50 @@ def parser() -> argparse.ArgumentParser:
     key = serve.add_mutually_exclusive_group()
     key.add_argument(
         "--api-key",
-        help="require 'Authorization: Bearer <key>' on all but /health and /metrics; read from $VATTN_API_KEY "
+        help="require 'Authorization: Bearer <key>' on all but /health, /metrics, /version and /get_load; read "
+        "from $VATTN_API_KEY "
         "when unset (which, unlike this option, `ps` does not show)",
     )
     key.add_argument("--api-key-file", type=key_file, metavar="PATH", help="read the API key from this file")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log detail")
+    add_replicas_parser(commands)
     return root
+
+
+def add_replicas_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    replicas = commands.add_parser(
+        "replicas",
+        help="serve N replicas on this machine behind vllm-router or SMG",
+        description="Start N `vattn serve` replicas on 127.0.0.1 (ports from --first-replica-port), wait until "
+        "each is healthy, start the router in front of them, and stop them all on SIGINT/SIGTERM. The routing "
+        "is the router's; `make router` installs both routers. Options after `--` go to every replica.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    replicas.add_argument("--replicas", type=positive, default=2, help="vattn serve processes")
+    replicas.add_argument("--router", default="vllm-router", choices=ROUTERS, help="the router in front")
+    replicas.add_argument(
+        "--policy",
+        default="cache_aware",
+        help="the router's policy: vllm-router has cache_aware, round_robin, power_of_two, consistent_hash, "
+        "random; smg also prefix_hash and least_load",
+    )
+    replicas.add_argument("--host", default="127.0.0.1", help="the router's address")
+    replicas.add_argument("--port", type=positive, default=8000, help="the router's port")
+    replicas.add_argument("--first-replica-port", type=positive, default=8001, help="replica i listens on this + i")
+    replicas.add_argument(
+        "--cpus-per-replica", type=positive, help="pin each replica to this many CPUs of its own (default: share all)"
+    )
+    replicas.add_argument("--router-bin", metavar="PATH", help="the router executable (default: PATH, then .peers)")
+    replicas.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for the router, e.g. --router-arg=--cache-threshold=0.3 (repeatable)",
+    )
+    replicas.add_argument(
+        "serve_args", nargs=argparse.REMAINDER, help="-- then `vattn serve` options for every replica"
+    )
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -208,10 +291,16 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 def main(argv: Sequence[str] | None = None) -> None:
     cli = parser()
     args = cli.parse_args(argv)
+    if args.command == "replicas":
+        sys.exit(replicas_main(cli, args))
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             cli.error(f"the model is given twice, as {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
+    for name, value in (args.kv_events_config or {}).items():
+        if getattr(args, name) not in (None, "", value):
+            cli.error(f"--kv-events-config and --{name.replace('_', '-')} disagree")
+        setattr(args, name, value)
     if args.model is not None and not _is_model_path(args.model):
         cli.error(f"model {args.model!r}: no such safetensors folder or .gguf file")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -254,6 +343,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     server.run()
     if engine.load_error is not None:
         sys.exit(f"vattn serve: error: the model failed to load: {engine.load_error}")
+
+
+def replicas_main(cli: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    try:
+        plan = ReplicaPlan(
+            replicas=args.replicas,
+            router=args.router,
+            policy=args.policy,
+            host=args.host,
+            port=args.port,
+            first_port=args.first_replica_port,
+            serve_args=parse_serve_args(serve_args),
+            cpus_per_replica=args.cpus_per_replica,
+            router_bin=args.router_bin,
+            router_args=tuple(args.router_arg),
+        )
+        return run_replicas(plan)
+    except (ValueError, FileNotFoundError) as exc:
+        cli.error(str(exc))
+    except (RuntimeError, TimeoutError) as exc:
+        sys.exit(f"vattn replicas: error: {exc}")
 
 
 def _is_model_path(model: str) -> bool:

@@ -125,6 +125,11 @@ class ServerMetrics(Collector):
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def load(self) -> int:
+        """Requests running or queued at the last iteration (what routers' /get_load reads)."""
+        snap = self._snapshot
+        return 0 if snap is None else snap.running + snap.waiting
+
     def describe(self) -> list[Metric]:
         return []  # values appear once the model has loaded
 

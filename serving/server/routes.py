@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 from dataclasses import replace
+from importlib.metadata import version as package_version
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI
@@ -27,7 +28,8 @@ T = TypeVar("T")
 
 
 def public_routes(engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
-    """/health and /metrics: open even when an API key is set (as in vLLM)."""
+    """/health, /metrics, /version and /get_load: open even when an API key is set (as in
+    vLLM), for the probes of load balancers and routers (vllm-router, SMG)."""
     router = APIRouter()
 
     @router.get("/health")
@@ -39,6 +41,15 @@ def public_routes(engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
     @router.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": package_version("vattn")}
+
+    @router.get("/get_load")
+    async def load() -> dict[str, int]:
+        """SGLang's load probe, which vllm-router's power_of_two policy polls."""
+        return {"load": metrics.load()}
 
     return router
 
@@ -62,13 +73,14 @@ def docs_routes(app: FastAPI) -> APIRouter:
     return router
 
 
-def v1_routes(engine: AsyncEngine, model_name: str) -> APIRouter:
+def v1_routes(engine: AsyncEngine, model_name: str, model_path: str) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": now(), "owned_by": "vattn"}
-        return {"object": "list", "data": [{**card, "max_model_len": engine.max_context}]}
+        """vLLM's model card: routers read `root` as the model's path and `max_model_len`."""
+        card = {"id": model_name, "object": "model", "created": now(), "owned_by": "vattn", "root": model_path}
+        return {"object": "list", "data": [{**card, "parent": None, "max_model_len": engine.max_context}]}
 
     @router.post("/completions", response_model=None)
     async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
