@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -72,6 +73,10 @@ class ReplicaPlan:
     def replica_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{port}" for port in self.replica_ports]
 
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
 
 def find_router(name: str, explicit: str | None) -> str:
     """The router's executable: `explicit`, else on PATH, else in `make router`'s virtualenv."""
@@ -106,10 +111,12 @@ def router_command(plan: ReplicaPlan, executable: str) -> list[str]:
 class ReplicaSet:
     """The replicas and the router as child processes; `stop` ends them all."""
 
-    def __init__(self, plan: ReplicaPlan) -> None:
+    def __init__(self, plan: ReplicaPlan, router_output: int | None = None) -> None:
+        """`router_output`: where the router's log goes (subprocess.PIPE to read it), else ours."""
         self.plan = plan
+        self._router_output = router_output
         self.replicas: list[subprocess.Popen[bytes]] = []
-        self.router: subprocess.Popen[bytes] | None = None
+        self.router: subprocess.Popen[str] | None = None
 
     def start(self, timeout: float = 600.0) -> None:
         """Starts the replicas, waits for each /health, then starts the router; on any failure
@@ -119,7 +126,13 @@ class ReplicaSet:
             for index, port in enumerate(self.plan.replica_ports):
                 self.replicas.append(self._start_replica(index, port))
             self._wait_healthy(timeout)
-            self.router = subprocess.Popen(router_command(self.plan, executable))
+            output = self._router_output
+            self.router = subprocess.Popen(
+                router_command(self.plan, executable),
+                stdout=output,
+                stderr=subprocess.STDOUT if output is not None else None,
+                text=output is not None,
+            )
             print(f"router: pid {self.router.pid} http://{self.plan.host}:{self.plan.port}", flush=True)
             self._wait_router(timeout)
         except BaseException:
@@ -158,7 +171,7 @@ class ReplicaSet:
     def _wait_router(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         assert self.router is not None
-        while not _answers(f"http://127.0.0.1:{self.plan.port}/health"):
+        while not _answers(f"{self.plan.router_url}/health"):
             if self.router.poll() is not None:
                 raise RuntimeError(f"{self.plan.router} exited with code {self.router.returncode}")
             if time.monotonic() > deadline:
@@ -191,6 +204,19 @@ class ReplicaSet:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
+
+
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive loopback ports nobody listens on."""
+    for base in range(20_000 + os.getpid() % 1000 * 20, 60_000, 20):
+        try:
+            sockets = [socket.create_server(("127.0.0.1", base + k)) for k in range(count)]
+        except OSError:
+            continue
+        for sock in sockets:
+            sock.close()
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def _answers(url: str) -> bool:

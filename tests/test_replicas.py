@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from serving.replicas import find_router
+from serving.replicas import find_router, free_port_run
 from tests.live_server import MODEL
 
 VATTN = Path(sys.executable).parent / "vattn"
@@ -41,19 +40,6 @@ class Cluster:
     router_url: str
     replica_urls: list[str]
     replica_pids: list[int]
-
-
-def free_port_run(count: int) -> int:
-    """The first of `count` consecutive free loopback ports."""
-    for base in range(21_000 + os.getpid() % 500 * 20, 60_000, 20):
-        try:
-            sockets = [socket.create_server(("127.0.0.1", base + k)) for k in range(count)]
-        except OSError:
-            continue
-        for sock in sockets:
-            sock.close()
-        return base
-    raise RuntimeError("no free ports")
 
 
 def read_until_ready(launcher: subprocess.Popen[str], timeout: float) -> list[str]:
