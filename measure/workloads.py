@@ -4,13 +4,15 @@ and the engine configurations compared."""
 from __future__ import annotations
 
 import random
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from measure.results import REPO_ROOT
 from serving import LLM
-from serving.default_model import default_gguf
+from serving.default_model import default_gguf, ensure_default_model
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"},
@@ -81,3 +83,35 @@ def long_prompt(llm: LLM, tokens: int) -> list[int]:
     while len(ids) < tokens:
         ids += llm.tokenizer(text)["input_ids"]
     return ids[:tokens]
+
+
+def small_llama(folder: Path, seed: int = 0) -> Path:
+    """A Llama of random weights whose heads split over 2 ranks (4 query heads, 2 KV heads, 2
+    layers, hidden 128) with the default model's tokenizer, saved into `folder`: what the tensor
+    parallelism test and benchmark run (the default model's 3 KV heads divide by no size > 1).
+    Weights 4x the init's, so that greedy tokens are far from ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49_152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(4.0)
+    model.save_pretrained(folder)
+    tokenizer = ensure_default_model()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer / name).exists():
+            shutil.copy(tokenizer / name, folder / name)
+    return folder

@@ -69,6 +69,12 @@ class EngineConfig:
     default KV type) or `bfloat16` halve a float32 model's KV bytes, and with them the bytes a
     decode step's attention reads. Only the ragged kernel reads a cache of another precision
     than the model's."""
+    tensor_parallel_size: int = 1
+    """Ranks that split every layer's heads and MLP columns, each with its own KV cache for its
+    KV heads (serving.tensor_parallel; `kv_budget` is each rank's); it must divide the KV heads."""
+    tp_init_method: str | None = None
+    """Where the ranks meet (torch.distributed's `tcp://host:port`); None: on this machine, the
+    other ranks started by rank 0 on a free loopback port."""
     seed: int = 0
     """Random stream of requests that give no seed of their own."""
 
@@ -111,6 +117,9 @@ class EngineConfig:
                 f"quantization 'gguf' keeps a GGUF file's weights, but the model is {self.model or 'the default'} "
                 "folder: pass a .gguf file as the model, or choose another quantization"
             )
+        require_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and self.quantization == "gguf":
+            raise ValueError("tensor parallelism splits a float checkpoint's projections: not a GGUF file's blocks")
 
     def _check_kv_cache_dtype(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import itertools
 import logging
+import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from serving import tensor_parallel
 from serving.config import EngineConfig
 from serving.default_model import ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
@@ -71,13 +73,21 @@ class LLMEngine:
         self.vocab_size = shape.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, shape.vocab_size)
         """Callers may compile grammars ahead on other threads (`compile`), so admission finds them ready."""
-        self.kv: KVStore = make_kv_store(config, shape, self.max_context)
+        self.kv: KVStore
         """Slots and pages; callers read it through `stats()`, tests inspect the allocator behind it."""
-        try:
-            self.executor = self.executor_type(model, shape, self.kv, config.quantization)
-        except BaseException:
-            self.kv.close()
-            raise
+        self._followers: list[subprocess.Popen[bytes]] = []
+        """Tensor parallelism: the other ranks' processes that this engine started."""
+        if config.tensor_parallel_size > 1:
+            config = self.config = replace(config, model=str(path))  # the followers load the same files
+            mirrored, self.executor, self._followers = tensor_parallel.rank_zero(config, model, shape, self.max_context)
+            self.kv = mirrored  # type: ignore[assignment]
+        else:
+            self.kv = make_kv_store(config, shape, self.max_context)
+            try:
+                self.executor = self.executor_type(model, shape, self.kv, config.quantization)
+            except BaseException:
+                self.kv.close()
+                raise
         self._scheduler = Scheduler(self.kv, config.max_batched_tokens, self.max_context, config.reserve_tokens)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -313,4 +323,8 @@ class LLMEngine:
     def close(self) -> None:
         if self._kv_events is not None:
             self._kv_events.close()
+        if isinstance(self.executor, tensor_parallel.TensorParallelExecutor):
+            self.executor.stop_followers()
+        for follower in self._followers:
+            follower.wait(60)
         self.kv.close()

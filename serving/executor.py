@@ -12,9 +12,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from serving.kv_store import KVStore
+from serving.kv_store import IterationBatch, KVStore
 from serving.model_loader import ModelShape
-from serving.model_runner import ModelRunner
+from serving.model_runner import ModelRunner, Reduce
 
 
 class KVSequence(Protocol):
@@ -30,13 +30,15 @@ class KVSequence(Protocol):
 class ModelExecutor:
     """The model on the KV store's device, and the iterations it has run."""
 
-    def __init__(self, model: Any, shape: ModelShape, kv: KVStore, quantization: str) -> None:
+    def __init__(
+        self, model: Any, shape: ModelShape, kv: KVStore, quantization: str, reduce: Reduce | None = None
+    ) -> None:
         # The weights (loaded on the CPU, in the engine's dtype) go where the KV cache is,
         # before the runner fuses copies of them there. Only the device changes: the rotary
         # table's float32 `inv_freq` keeps its precision.
         model.to(device=kv.device)
         self.kv = kv
-        self.runner = ModelRunner(model, shape, kv.attend, quantization)
+        self.runner = ModelRunner(model, shape, kv.attend, quantization, reduce)
         self.vocab_size = shape.vocab_size
         self.iterations = 0
         self.last_iteration_tokens = 0
@@ -50,9 +52,8 @@ class ModelExecutor:
         ids: list[int] = []
         for sequence, n in zip(sequences, new_tokens, strict=True):
             ids += sequence.all_ids[sequence.num_computed : sequence.num_computed + n]
-        attention = self.kv.plan([s.slot for s in sequences], new_tokens)  # type: ignore[misc]
+        hidden, attention = self.forward(ids, [s.slot for s in sequences], new_tokens)  # type: ignore[misc]
         device = self.kv.device
-        hidden = self.runner.forward(torch.tensor(ids, device=device), attention)
         for sequence, n in zip(sequences, new_tokens, strict=True):
             sequence.num_computed += n
             self.kv.remember(sequence.slot, sequence.all_ids[: sequence.num_computed])  # type: ignore[arg-type]
@@ -66,6 +67,11 @@ class ModelExecutor:
         if not wanted:
             return torch.empty(0, self.vocab_size)
         return self._to_host(self.runner.logits(hidden[torch.tensor(wanted, device=device)]))
+
+    def forward(self, ids: list[int], slots: Sequence[int], new_tokens: Sequence[int]) -> tuple[Tensor, IterationBatch]:
+        """Plans the iteration's attention and runs the model: hidden states and the plan."""
+        attention = self.kv.plan(slots, new_tokens)
+        return self.runner.forward(torch.tensor(ids, device=self.kv.device), attention), attention
 
     def _to_host(self, logits: Tensor) -> Tensor:
         """The iteration's one device-to-host transfer: the wanted rows' float32 logits, on the KV

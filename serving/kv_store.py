@@ -147,6 +147,7 @@ class VirtualKVStore(CacheStore):
             prefix_match=config.prefix_match,  # type: ignore[arg-type]
             prefix_cache_share=config.prefix_cache_share,
             record_events=config.kv_events_endpoint is not None,
+            background=config.tensor_parallel_size == 1,  # ranks map synchronously: the same decisions
         )
         cache = KVCache(cache_config)
         super().__init__(cache, make_kernel(config.attention_kernel, cache, shape.num_query_heads))

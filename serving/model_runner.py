@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 Attend = Callable[[int, "IterationBatch", Tensor, Tensor, Tensor], Tensor]
 """(layer, batch, q, k, v) -> attention output: stores the new K/V and attends over the cache."""
+Reduce = Callable[[Tensor], Tensor]
+"""Sums a tensor-parallel rank's partial projection output over the ranks (in place)."""
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,12 @@ class ModelRunner:
     are dropped.
     """
 
-    def __init__(self, model: Any, shape: ModelShape, attend: Attend, quantization: str = "none") -> None:
+    def __init__(
+        self, model: Any, shape: ModelShape, attend: Attend, quantization: str = "none", reduce: Reduce | None = None
+    ) -> None:
         self._shape = shape
+        self._reduce: Reduce = reduce or (lambda x: x)
+        """Tensor parallelism: the output and down projections' partial sums, summed over the ranks."""
         self._body = body = model.model
         self._layers = decoder_layers(model, quantization)
         self._activation = ACT2FN[model.config.hidden_act]
@@ -155,9 +161,10 @@ class ModelRunner:
             v = v.view(tokens, shape.num_kv_heads, shape.head_dim)
             q, k = rotate(q, k, cos, sin)
             attended = self._attend(index, batch, q, k, v)
-            normed = layer.post_attention_norm.add_and_norm(layer.o(attended.reshape(tokens, -1)), residual)
+            attention_out = self._reduce(layer.o(attended.reshape(tokens, -1)))
+            normed = layer.post_attention_norm.add_and_norm(attention_out, residual)
             gate, up = layer.gate_up(normed).chunk(2, dim=-1)
-            mlp_out = layer.down(self._activation(gate) * up)
+            mlp_out = self._reduce(layer.down(self._activation(gate) * up))
             following = self._layers[index + 1].input_norm if index + 1 < len(self._layers) else self._final_norm
             normed = following.add_and_norm(mlp_out, residual)
         return normed

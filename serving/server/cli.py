@@ -10,7 +10,7 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from serving.config import KV_CACHE_DTYPES, KV_CACHES, MODEL_DTYPES, EngineConfig
@@ -156,6 +156,22 @@ def parser() -> argparse.ArgumentParser:
         type=kv_events_config,
         metavar="JSON",
         help='vLLM\'s form of the three above, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
+    )
+    serve.add_argument(
+        "--tensor-parallel-size",
+        type=positive,
+        default=defaults.tensor_parallel_size,
+        help="ranks that split each layer's heads and MLP columns (torch.distributed: gloo on the CPU, NCCL on "
+        "CUDA); it must divide the model's KV heads; --kv-budget is each rank's",
+    )
+    serve.add_argument(
+        "--tp-init-method",
+        metavar="URL",
+        help="where the ranks meet, tcp://HOST:PORT on rank 0's machine (default: this machine, the other ranks "
+        "started here); then start each other rank by hand with the same options and --tp-rank",
+    )
+    serve.add_argument(
+        "--tp-rank", type=int, default=0, help="run as this follower rank of a --tp-init-method group (no HTTP)"
     )
     serve.add_argument("--max-slots", type=positive, default=defaults.max_slots, help="requests running at once")
     serve.add_argument(
@@ -317,6 +333,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     except ValueError as exc:
         cli.error(str(exc))
+    if args.tp_rank:
+        from serving.default_model import ensure_default_model
+        from serving.tensor_parallel import follow
+
+        follow(replace(engine_config, model=engine_config.model or str(ensure_default_model())), args.tp_rank)
+        return
     settings = ServerSettings(
         engine_config=engine_config,
         model_name=args.served_model_name,

@@ -1,0 +1,57 @@
+"""Tensor parallelism over torch.distributed (gloo): two ranks as separate processes on loopback
+give the greedy tokens of one, on a small random-weight Llama whose heads divide by two."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from measure.workloads import small_llama
+from serving import LLM, SamplingParams
+from serving.config import EngineConfig
+
+pytestmark = pytest.mark.needs_model  # the test model borrows the default model's tokenizer
+
+
+@pytest.fixture(scope="module")
+def small_llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return small_llama(tmp_path_factory.mktemp("small-llama"))
+
+
+def greedy(model: Path, tensor_parallel_size: int, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(
+        model=str(model),
+        tensor_parallel_size=tensor_parallel_size,
+        max_slots=4,
+        max_context=512,
+        kv_budget=64 << 20,
+        page_size=16 << 10,
+    )
+    try:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
+        again = llm.generate(prompts[:1], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert again[0].cached_tokens > 0  # the second time, the prefix cache served the prompt on every rank
+        return [output.token_ids for output in outputs]
+    finally:
+        llm.close()
+
+
+def test_two_ranks_give_the_tokens_of_one(small_llama_folder: Path) -> None:
+    generator = torch.Generator().manual_seed(1)
+    shared = torch.randint(100, 40_000, (150,), generator=generator).tolist()
+    prompts = [shared + torch.randint(100, 40_000, (n,), generator=generator).tolist() for n in (5, 40, 90)]
+    prompts.append(torch.randint(100, 40_000, (30,), generator=generator).tolist())
+    one = greedy(small_llama_folder, 1, prompts)
+    assert greedy(small_llama_folder, 2, prompts) == one
+
+
+def test_heads_that_do_not_divide_fail_at_start_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 must divide the model's 3 KV heads"):
+        LLM(tensor_parallel_size=2, max_slots=2, max_context=256, kv_budget=64 << 20)
+
+
+def test_gguf_weights_are_refused() -> None:
+    with pytest.raises(ValueError, match="not a GGUF file's blocks"):
+        EngineConfig(model="/models/x.gguf", tensor_parallel_size=2)
