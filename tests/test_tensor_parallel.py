@@ -3,6 +3,8 @@ give the greedy tokens of one, on a small random-weight Llama whose heads divide
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,9 @@ import torch
 from measure.workloads import small_llama
 from serving import LLM, SamplingParams
 from serving.config import EngineConfig
+from serving.tensor_parallel import free_port
+
+VATTN = Path(sys.executable).parent / "vattn"
 
 pytestmark = pytest.mark.needs_model  # the test model borrows the default model's tokenizer
 
@@ -20,10 +25,13 @@ def small_llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return small_llama(tmp_path_factory.mktemp("small-llama"))
 
 
-def greedy(model: Path, tensor_parallel_size: int, prompts: list[list[int]]) -> list[list[int]]:
+def greedy(
+    model: Path, tensor_parallel_size: int, prompts: list[list[int]], tp_init_method: str | None = None
+) -> list[list[int]]:
     llm = LLM(
         model=str(model),
         tensor_parallel_size=tensor_parallel_size,
+        tp_init_method=tp_init_method,
         max_slots=4,
         max_context=512,
         kv_budget=64 << 20,
@@ -38,13 +46,31 @@ def greedy(model: Path, tensor_parallel_size: int, prompts: list[list[int]]) -> 
         llm.close()
 
 
-def test_two_ranks_give_the_tokens_of_one(small_llama_folder: Path) -> None:
+def prompts() -> list[list[int]]:
+    """Three prompts sharing 150 tokens (the prefix cache serves them on every rank) and one other."""
     generator = torch.Generator().manual_seed(1)
     shared = torch.randint(100, 40_000, (150,), generator=generator).tolist()
-    prompts = [shared + torch.randint(100, 40_000, (n,), generator=generator).tolist() for n in (5, 40, 90)]
-    prompts.append(torch.randint(100, 40_000, (30,), generator=generator).tolist())
-    one = greedy(small_llama_folder, 1, prompts)
-    assert greedy(small_llama_folder, 2, prompts) == one
+    chosen = [shared + torch.randint(100, 40_000, (n,), generator=generator).tolist() for n in (5, 40, 90)]
+    return [*chosen, torch.randint(100, 40_000, (30,), generator=generator).tolist()]
+
+
+def test_two_ranks_give_the_tokens_of_one(small_llama_folder: Path) -> None:
+    assert greedy(small_llama_folder, 2, prompts()) == greedy(small_llama_folder, 1, prompts())
+
+
+def test_a_rank_started_by_hand_joins_at_the_init_method(small_llama_folder: Path) -> None:
+    """The multi-machine path, on loopback: rank 1 is `vattn serve --tp-rank 1` with rank 0's
+    --tp-init-method and the same options, and rank 0 (this process) starts no rank itself."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    options = ["--model", str(small_llama_folder), "--tensor-parallel-size", "2", "--tp-init-method", init]
+    options += ["--max-slots", "4", "--max-context", "512", "--kv-budget", "64M", "--page-size", "16K"]
+    follower = subprocess.Popen([str(VATTN), "serve", *options, "--tp-rank", "1"])
+    try:
+        tokens = greedy(small_llama_folder, 2, prompts(), tp_init_method=init)
+    finally:
+        code = follower.wait(120)
+    assert code == 0  # rank 0's close stopped it
+    assert tokens == greedy(small_llama_folder, 1, prompts())
 
 
 def test_heads_that_do_not_divide_fail_at_start_with_the_fix() -> None:
