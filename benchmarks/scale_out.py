@@ -4,10 +4,10 @@ Workload: `--system-prompts` system prompts of 500-1,000 tokens (common English 
 and `--questions` different questions of 20-40 words; request k is question k after system
 prompt k mod 8, sent in a seeded shuffled order with `--concurrency` in flight, 32 output
 tokens each (ignore_eos). Three set-ups, each started by `vattn replicas` (serving.replicas)
-with vllm-router in front (`make router`), the same 1 GiB of KV in all:
-- one replica with both cores and a 1 GiB KV budget;
-- two replicas pinned to one core each, 512 MiB each, the router's `cache_aware` policy;
-- the same with `round_robin`.
+with a router in front (`make router router-smg`), the same 1 GiB of KV in all:
+- one replica with both cores and a 1 GiB KV budget (behind vllm-router);
+- two replicas pinned to one core each, 512 MiB each, vllm-router's `cache_aware` policy;
+- the same with vllm-router's `round_robin`, and with SMG's `cache_aware`.
 Figures: output tokens/s, TTFT p50/p99, and the prefix-cache hit rate summed over the replicas
 (their `vllm:prefix_cache_hits` over `queries`). On two cores the router and this client
 share the replicas' cores, so two replicas show what routing keeps, not a speed-up.
@@ -56,12 +56,14 @@ from measure.workloads import WORDS
 from serving.replicas import ReplicaPlan, ReplicaSet, free_port_run
 
 SETUPS = (
-    ("1 replica, 2 cores", 1, None, "round_robin", "1G"),
-    ("2 replicas x 1 core, cache_aware", 2, 1, "cache_aware", "512M"),
-    ("2 replicas x 1 core, round_robin", 2, 1, "round_robin", "512M"),
+    ("1 replica, 2 cores", 1, None, "vllm-router", "round_robin", "1G"),
+    ("2 replicas x 1 core, vllm-router cache_aware", 2, 1, "vllm-router", "cache_aware", "512M"),
+    ("2 replicas x 1 core, vllm-router round_robin", 2, 1, "vllm-router", "round_robin", "512M"),
+    ("2 replicas x 1 core, SMG cache_aware", 2, 1, "smg", "cache_aware", "512M"),
 )
-"""(name, replicas, CPUs each (None: share both), router policy, KV budget of each)."""
+"""(name, replicas, CPUs each (None: share both), router, its policy, KV budget of each)."""
 OUTPUT_TOKENS = 32
+COLORS = ["tab:blue", "tab:green", "tab:orange", "tab:red"]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -122,25 +124,32 @@ async def drive(
     return done, failed, time.perf_counter() - started
 
 
-def cluster_plan(replicas: int, cpus: int | None, policy: str, budget: str) -> ReplicaPlan:
+def cluster_plan(replicas: int, cpus: int | None, router: str, policy: str, budget: str) -> ReplicaPlan:
     first = free_port_run(replicas)
     return ReplicaPlan(
         replicas=replicas,
-        router="vllm-router",
+        router=router,
         policy=policy,
         host="127.0.0.1",
         port=free_port(),
         first_port=first,
         serve_args=("--max-slots", "16", "--max-context", "1400", "--kv-budget", budget, "--log-level", "warning"),
         cpus_per_replica=cpus,
-        router_args=("--log-level", "warning"),
+        router_args=("--log-level", "warning") if router == "vllm-router" else (),
     )
 
 
 def run_setup(
-    name: str, replicas: int, cpus: int | None, policy: str, budget: str, args: argparse.Namespace, prompts: list[str]
+    name: str,
+    replicas: int,
+    cpus: int | None,
+    router: str,
+    policy: str,
+    budget: str,
+    args: argparse.Namespace,
+    prompts: list[str],
 ) -> dict[str, Any]:
-    plan = cluster_plan(replicas, cpus, policy, budget)
+    plan = cluster_plan(replicas, cpus, router, policy, budget)
     cluster = ReplicaSet(plan)
     cluster.start()
     try:
@@ -165,7 +174,7 @@ def run_kill(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
     """Two replicas under load, one SIGKILLed once half the requests are done; the router's own log
     (read as it is written) says which requests it still sent to the dead one, and when its
     circuit breaker opened."""
-    plan = cluster_plan(2, 1, "cache_aware", "512M")
+    plan = cluster_plan(2, 1, "vllm-router", "cache_aware", "512M")
     cluster = ReplicaSet(plan, router_output=subprocess.PIPE)
     cluster.start()
     assert cluster.router is not None and cluster.router.stdout is not None
@@ -212,7 +221,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         (axes[1], "ttft_p50_s", "TTFT p50 (s)"),
         (axes[2], "prefix_hit_rate", "prefix-cache hit rate"),
     ):
-        axis.bar(names, [r[key] for r in setups], color=["tab:blue", "tab:green", "tab:orange"])
+        axis.bar(
+            names, [r[key] for r in setups], color=["tab:blue", "tab:green", "tab:orange", "tab:red"][: len(setups)]
+        )
         axis.set_ylabel(label)
         axis.tick_params(axis="x", labelsize=7)
     save_figure(fig, path, command_line())

@@ -84,7 +84,7 @@ def find_router(name: str, explicit: str | None) -> str:
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     where = f"--router-bin {explicit} is not an executable" if explicit else f"{name} is not on PATH"
-    raise FileNotFoundError(f"{where}: `make router` installs vllm-router and smg into {ROUTER_VENV}")
+    raise FileNotFoundError(f"{where}: `make router` installs vllm-router, `make router-smg` smg, into {ROUTER_VENV}")
 
 
 def router_command(plan: ReplicaPlan, executable: str) -> list[str]:
