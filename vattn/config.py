@@ -183,6 +183,11 @@ class KVCacheConfig:
         return min(capacity, self.memory_budget // self.page_size)
 
     @cached_property
+    def prefix_cache_pages(self) -> int:
+        """The most pages prefix-cache entries may hold that no slot maps (`prefix_cache_share`)."""
+        return int(self.prefix_cache_share * self.pool_pages)
+
+    @cached_property
     def tensor_shape(self) -> tuple[int, ...]:
         """Shape of each virtual tensor: `[slots, context, kv_heads, head_dim]`, with layers before
         the heads in the mega layout."""

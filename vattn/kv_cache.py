@@ -348,7 +348,7 @@ class KVCache:
         alone than its share; returns each active reqid's length."""
         with self._lock:
             self._pages.check_invariants(self._slots, self._prefix)
-            limit = int(self.config.prefix_cache_share * self._pool.capacity)
+            limit = self.config.prefix_cache_pages
             if self._pool.num_cache_only > limit:
                 raise AssertionError(f"the prefix cache alone holds {self._pool.num_cache_only} pages, over {limit}")
             return {slot.index: slot.length for slot in self._slots if slot.active}

@@ -102,7 +102,7 @@ class PagePolicy:
         """Evicts least recently used prefix-cache entries that hold pages no slot maps until
         those pages are within `prefix_cache_share` of the pool (entries whose pages are all
         mapped somewhere cost nothing and stay)."""
-        limit = int(self.config.prefix_cache_share * self.pool.capacity)
+        limit = self.config.prefix_cache_pages
         for unit in self.prefix.units() if self.pool.num_cache_only > limit else ():
             if self.pool.num_cache_only <= limit:
                 return

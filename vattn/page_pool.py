@@ -70,30 +70,29 @@ class PagePool:
         for page in pages:
             if page not in self._refs:
                 raise ValueError(f"page {page} is free: only a referenced page can be shared")
-            was = self.cache_only(page)
-            self._refs[page] += 1
-            if by_cache:
-                self._cache_refs[page] = self._cache_refs.get(page, 0) + 1
-            self.num_cache_only += self.cache_only(page) - was
+            self._count(page, 1, by_cache)
 
     def give_back(self, pages: Iterable[int], by_cache: bool = False) -> None:
         """Drops one reference to each page (a prefix-cache entry's if `by_cache`); one nobody
         references any more is free again."""
         for page in pages:
-            was = self.cache_only(page)
-            if by_cache:
-                held = self._cache_refs[page] - 1
-                if held:
-                    self._cache_refs[page] = held
-                else:
-                    del self._cache_refs[page]
-            left = self._refs[page] - 1
-            if left:
-                self._refs[page] = left
-            else:
-                del self._refs[page]
+            if not self._count(page, -1, by_cache):
                 self._recycled.append(page)
-            self.num_cache_only += self.cache_only(page) - was
+
+    def _count(self, page: int, delta: int, by_cache: bool) -> int:
+        """Adds `delta` to a referenced page's references (and to the cache's among them), keeping
+        `num_cache_only`; returns how many are left."""
+        refs, cached = self._refs[page], self._cache_refs.get(page, 0)
+        was_cache_only = cached == refs
+        refs += delta
+        cached += delta if by_cache else 0
+        for table, count in ((self._refs, refs), (self._cache_refs, cached)):
+            if count:
+                table[page] = count
+            else:
+                table.pop(page, None)
+        self.num_cache_only += (refs > 0 and cached == refs) - was_cache_only
+        return refs
 
     def release_all(self) -> None:
         """Frees every created page; all must be unmapped (or their reservations gone)."""
