@@ -1,18 +1,23 @@
 """GPU attention kernels on the virtual tensors: FlashAttention 2 and FlashInfer, unmodified.
 
-Their libraries are imported when a kernel is made, and a kernel refuses at construction
-what it cannot run: a cache off the GPU, a dtype other than float16/bfloat16, a library that
-is missing or cannot build its kernels (FlashInfer compiles them on first use and needs nvcc
-for that: each FlashInfer kernel runs its variants once on scratch memory when made, so a
-failed build is `UnavailableError` there, not an error in the middle of serving). Only
-FlashAttention 2's `flash_attn_with_kvcache` is supported; flash-attn-4 (`flash_attn.cute`)
-has no KV-cache entry point. The paged baseline's GPU kernels use the same guards.
+FlashAttention 2 comes two ways: as torch itself ships it (`torch_flash_attn`: the varlen
+entry point `aten::_flash_attention_forward`, in every CUDA build of torch, nothing to
+install) and as the flash-attn package (`flash_attn`: `flash_attn_with_kvcache`; flash-attn-4's
+`flash_attn.cute` has no KV-cache entry point).
+
+Libraries are imported when a kernel is made, and a kernel refuses at construction what it
+cannot run: a cache off the GPU, a dtype other than float16/bfloat16, a torch whose FA2 entry
+point lacks an argument it needs, a library that is missing or cannot build its kernels
+(FlashInfer compiles them on first use and needs nvcc for that: each FlashInfer kernel plans
+and runs its variants once on scratch memory when made). Only an import or a build that fails
+is `UnavailableError`; a fault while a built kernel runs is raised as it is, a failure, never
+read as a skip. The paged baseline's GPU kernels use the same guards.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,6 +29,13 @@ from vattn.attention import AttentionBatch, AttentionKernel
 from vattn.errors import ConfigurationError, UnavailableError
 from vattn.kv_cache import KVCache
 from vattn.sizes import MiB
+
+FLASH_ATTENTION_HEAD_DIMS = range(8, 257, 8)
+"""Head sizes torch's FlashAttention 2 runs: multiples of 8 up to 256."""
+VARLEN_ARGUMENTS = ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "is_causal", "scale", "seqused_k")
+"""What `aten::_flash_attention_forward` must take to read a request's keys where they lie:
+`cum_seq_k` its first row, `seqused_k` how many rows."""
+PAGED_ARGUMENTS = (*VARLEN_ARGUMENTS, "block_table")
 
 FLASHINFER_WORKSPACE_BYTES = 128 * MiB
 FLASHINFER_PAGE_TOKENS = 16
@@ -58,13 +70,113 @@ def import_flash_attn(kernel: str) -> Callable[..., Tensor]:
     return flash_attn_with_kvcache
 
 
+@dataclass(frozen=True)
+class VarlenPlan:
+    """One iteration as FlashAttention 2's varlen forward reads it, on the device: request i's
+    queries are rows `[cum_q[i], cum_q[i + 1])`, its keys `used_k[i]` rows from `cum_k[i]` (of
+    the flattened key rows, or of its block table's row i)."""
+
+    cum_q: Tensor
+    cum_k: Tensor
+    used_k: Tensor
+    max_q: int
+    max_k: int
+    block_table: Tensor | None = None
+
+
+class TorchFlashAttention:
+    """FlashAttention 2 as torch ships it: `aten::_flash_attention_forward`, varlen.
+
+    One call per layer for a whole iteration, decodes and prefill chunks together: queries
+    packed ragged, each request's keys read in place (`cum_seq_k` its first row and
+    `seqused_k` its length, or a block table), causal aligned to the end of each request's
+    keys. The virtual cache and the paged baseline call exactly this, so they differ only in
+    how a request's keys are found. Refuses at construction a torch without FlashAttention,
+    a GPU before sm80, a head size FA2 has no kernel for, or an entry point that lacks an
+    argument the caller needs (`block_table` came in torch 2.5's update of it)."""
+
+    def __init__(self, kernel: str, device: torch.device, head_dim: int, arguments: tuple[str, ...]) -> None:
+        op = torch.ops.aten._flash_attention_forward.default
+        taken = {argument.name for argument in op._schema.arguments}
+        if missing := [name for name in arguments if name not in taken]:
+            raise UnavailableError(
+                f"the {kernel} kernel needs torch's aten::_flash_attention_forward to take "
+                f"{', '.join(missing)}; torch {torch.__version__}'s takes {', '.join(sorted(taken))}"
+            )
+        if not torch.backends.cuda.is_flash_attention_available():
+            raise UnavailableError(
+                f"the {kernel} kernel needs a torch built with FlashAttention (torch {torch.__version__})"
+            )
+        if torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):
+            raise UnavailableError(
+                f"the {kernel} kernel needs an sm80 GPU or newer (FlashAttention 2); {device} is older"
+            )
+        if head_dim not in FLASH_ATTENTION_HEAD_DIMS:
+            raise ConfigurationError(
+                f"the {kernel} kernel runs head sizes that are multiples of 8 up to 256, not {head_dim}"
+            )
+        self._forward = op
+        self._device = device
+
+    def plan(
+        self,
+        starts: Sequence[int],
+        key_starts: Sequence[int],
+        lengths: Sequence[int],
+        new_tokens: Sequence[int],
+        block_table: Tensor | None = None,
+    ) -> VarlenPlan:
+        """The iteration's index tensors: `starts` its first query rows and the total, `key_starts`
+        each request's first key row, `lengths` its keys (new ones included)."""
+
+        def on_device(values: Sequence[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=self._device)
+
+        return VarlenPlan(
+            cum_q=on_device(starts),
+            cum_k=on_device(key_starts),
+            used_k=on_device(lengths),
+            max_q=max(new_tokens),
+            max_k=max(lengths),
+            block_table=block_table,
+        )
+
+    def __call__(self, plan: VarlenPlan, q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+        """Attention of `q` `[tokens, heads, dim]` over `keys`/`values`: `[rows, kv_heads, dim]`,
+        or `[blocks, block_size, kv_heads, dim]` with the plan's block table."""
+        return self._forward(
+            q,
+            keys,
+            values,
+            plan.cum_q,
+            plan.cum_k,
+            plan.max_q,
+            plan.max_k,
+            0.0,
+            True,
+            False,
+            scale=scale,
+            seqused_k=plan.used_k,
+            block_table=plan.block_table,
+        )[0]
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    """A CUDA error raised by work on the device (an illegal address, a launch failure), as
+    opposed to a library or kernel build that failed before anything ran."""
+    return isinstance(exc, torch.AcceleratorError) or "CUDA error" in str(exc)
+
+
 @contextmanager
 def flashinfer_available(kernel: str) -> Iterator[None]:
     """Turns a FlashInfer import or kernel build that fails (no nvcc, no cached cubins, a
-    library that cannot load) into UnavailableError with the library's reason."""
+    library that cannot load) into UnavailableError with the library's reason; a device
+    fault is raised as it is."""
     try:
         yield
     except (ImportError, RuntimeError, OSError) as exc:
+        if is_device_fault(exc):
+            raise
         raise UnavailableError(f"the {kernel} kernel cannot load FlashInfer's kernels here: {exc}") from exc
 
 
@@ -136,6 +248,27 @@ def slot_pages(keys: Tensor, page_tokens: int) -> tuple[Tensor, int]:
     return pages, pages_per_slot
 
 
+def token_rows(keys: Tensor) -> tuple[Tensor, int]:
+    """A `[slots, context, heads, dim]` virtual tensor seen as one column of token rows (no
+    copy): `[rows, heads, dim]` where slot s's token t is row `s * rows_per_slot + t`. Returns
+    the view and `rows_per_slot`. ValueError when the slot stride is not a whole number of
+    rows, or FlashAttention's 32-bit row offsets cannot reach the last slot."""
+    slot_stride, token_stride, head_stride, _ = keys.stride()
+    if slot_stride % token_stride:
+        raise ValueError(
+            f"a slot's stride ({slot_stride} elements) is not a whole number of token rows ({token_stride})"
+        )
+    rows_per_slot = slot_stride // token_stride
+    rows = keys.shape[0] * rows_per_slot
+    if rows >= 2**31:
+        raise ValueError(
+            f"FlashAttention's key offsets are 32-bit and {keys.shape[0]} slots span {rows} token rows: "
+            "use fewer slots or a shorter max_context"
+        )
+    view = keys.as_strided((rows, keys.shape[2], keys.shape[3]), (token_stride, head_stride, 1))
+    return view, rows_per_slot
+
+
 def page_table(
     reqids: tuple[int, ...], lengths: tuple[int, ...], pages_per_slot: int, page_tokens: int
 ) -> tuple[list[int], list[int], list[int]]:
@@ -194,6 +327,35 @@ class FlashAttnKernel(AttentionKernel):
         return out
 
 
+class TorchFlashAttnKernel(AttentionKernel):
+    """torch's own FlashAttention 2 (`TorchFlashAttention`) on the virtual tensors: a layer's K
+    and V seen as one column of token rows (a strided view, no copy), request i's keys the
+    `length` rows from its slot's first, `reqid * rows_per_slot`. No block table: the paper's
+    claim, an unmodified kernel reading virtually contiguous KV."""
+
+    name = "torch_flash_attn"
+
+    def __init__(self, cache: KVCache, num_query_heads: int) -> None:
+        super().__init__(cache, num_query_heads)
+        require_gpu(cache.device, self.name)
+        require_half_precision(cache.config.dtype, self.name)
+        self._attend = TorchFlashAttention(self.name, cache.device, cache.config.head_dim, VARLEN_ARGUMENTS)
+        keys, _ = cache.layer_tensors(0)
+        self._rows_per_slot = token_rows(keys)[1]  # refuses a layout it cannot address
+        del keys
+
+    def _planned(self, batch: AttentionBatch) -> AttentionBatch:
+        key_starts = [reqid * self._rows_per_slot for reqid in batch.reqids]
+        key_starts.append(self.cache.config.max_slots * self._rows_per_slot)  # read by no request: seqused_k
+        plan = self._attend.plan(batch.starts, key_starts, batch.lengths, batch.new_tokens)
+        return replace(batch, wrapper=plan)
+
+    def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self._store(kv, batch, k, v)
+        keys, values = (token_rows(tensor)[0] for tensor in kv)
+        return self._attend(batch.wrapper, q, keys, values, self.scale)
+
+
 class FlashInferSingleKernel(AttentionKernel):
     """FlashInfer's `single_prefill_with_kv_cache` / `single_decode_with_kv_cache` on each
     request's `[length, kv_heads, dim]` slice (contiguous in the per-layer layout)."""
@@ -209,7 +371,7 @@ class FlashInferSingleKernel(AttentionKernel):
         self._flashinfer = import_flashinfer(self.name)
         self._tensor_cores = decode_uses_tensor_cores(num_query_heads, cache.config.num_kv_heads)
         cfg = cache.config
-        with flashinfer_available(self.name):  # builds (or loads) both variants now
+        with flashinfer_available(self.name):  # builds (or loads) and runs both variants now
             scratch = torch.zeros(4, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=cache.device)
             query = torch.zeros(4, num_query_heads, cfg.head_dim, dtype=cfg.dtype, device=cache.device)
             self._attend(query, scratch, scratch)
@@ -251,15 +413,17 @@ class FlashInferPagedKernel(AttentionKernel):
         tensor_cores = decode_uses_tensor_cores(num_query_heads, cache.config.num_kv_heads)
         with flashinfer_available(self.name):
             self._plans = FlashInferPlans(flashinfer, cache.device, tensor_cores)
-            self._warm_up()
+        self._warm_up()
 
     def _warm_up(self) -> None:
-        """Plans and runs a decode and a prefill over a scratch page (building their kernels)."""
+        """Plans a decode and a prefill over a scratch page (building or loading their kernels:
+        a failure there means unavailable), then runs them (a failure there is a fault)."""
         cfg, device = self.cache.config, self.cache.device
         page = torch.zeros(1, FLASHINFER_PAGE_TOKENS, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
         for rows in (1, 2):
             q = torch.zeros(rows, self.num_query_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
-            planned = self._plan((0, rows), [0, 1], [0], [2], decode=rows == 1)
+            with flashinfer_available(self.name):
+                planned = self._plan((0, rows), [0, 1], [0], [2], decode=rows == 1)
             self._plans.run(planned, q, (page, page))
 
     def _plan(

@@ -1,6 +1,7 @@
 """Unmodified attention kernels on the KV cache's virtual tensors, selectable by name.
 
-The CPU kernels live here, the GPU adapters (FlashAttention, FlashInfer) in
+The CPU kernels live here, the GPU adapters (FlashAttention 2 as torch ships it and as
+flash-attn does, FlashInfer) in
 `vattn.gpu_kernels`, which imports its libraries only when a kernel is made; the contract
 they all keep is `vattn.attention`'s.
 
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from vattn.attention import AttentionBatch, AttentionKernel, sdpa_request
 from vattn.errors import UnavailableError
-from vattn.gpu_kernels import FlashAttnKernel, FlashInferPagedKernel, FlashInferSingleKernel
+from vattn.gpu_kernels import FlashAttnKernel, FlashInferPagedKernel, FlashInferSingleKernel, TorchFlashAttnKernel
 from vattn.kv_cache import KVCache
 from vattn.ops import vattn_ops
 
@@ -76,7 +77,14 @@ class RaggedKernel(AttentionKernel):
 
 KERNELS: dict[str, type[AttentionKernel]] = {
     kernel.name: kernel
-    for kernel in (SdpaKernel, RaggedKernel, FlashAttnKernel, FlashInferSingleKernel, FlashInferPagedKernel)
+    for kernel in (
+        SdpaKernel,
+        RaggedKernel,
+        TorchFlashAttnKernel,
+        FlashAttnKernel,
+        FlashInferSingleKernel,
+        FlashInferPagedKernel,
+    )
 }
 
 

@@ -13,8 +13,10 @@ attention output. What differs is what a kernel must do to find a request's KV:
   and runs torch SDPA on it; the simplest correct paged path.
 - `paged_blockwise` (CPU or GPU): decodes attended block by block with an online-softmax
   merge in torch operators, all requests at once (~10 operators per block per layer).
-- `paged_flash_attn` (GPU): FlashAttention's `block_table` path (block size a multiple of
-  256, as flash-attn requires).
+- `paged_torch_flash_attn` (GPU): torch's own FlashAttention 2 varlen forward with its
+  `block_table` (block size a multiple of 256, as FA2 requires): the same call as the
+  virtual cache's `torch_flash_attn`, which finds a request's keys by its slot's first row.
+- `paged_flash_attn` (GPU): flash-attn's `block_table` path (block size a multiple of 256).
 - `paged_flashinfer` (GPU): FlashInfer's paged prefill/decode wrappers, one planned call
   per layer.
 """
@@ -32,7 +34,9 @@ from torch import Tensor
 from vattn.attention import AttentionKernel, iteration_rows, sdpa_request
 from vattn.errors import UnavailableError
 from vattn.gpu_kernels import (
+    PAGED_ARGUMENTS,
     FlashInferPlans,
+    TorchFlashAttention,
     decode_uses_tensor_cores,
     flashinfer_available,
     import_flash_attn,
@@ -212,6 +216,34 @@ class PagedNativeKernel(PagedKernel):
         return out
 
 
+def require_flash_attention_blocks(block_size: int, kernel: str) -> None:
+    if block_size % 256:
+        raise ValueError(f"FlashAttention 2's paged path ({kernel}) needs block_size % 256 == 0, got {block_size}")
+
+
+class PagedTorchFlashAttnKernel(PagedKernel):
+    """torch's own FlashAttention 2 (`TorchFlashAttention`) over the block table: one call per
+    layer for decodes and prefill chunks together, as the virtual cache's `torch_flash_attn`."""
+
+    name = "paged_torch_flash_attn"
+
+    def __init__(self, cache: PagedKVCache, num_query_heads: int) -> None:
+        super().__init__(cache, num_query_heads)
+        require_gpu(cache.device, self.name)
+        require_half_precision(cache.config.dtype, self.name)
+        require_flash_attention_blocks(cache.config.block_size, self.name)
+        self._attend = TorchFlashAttention(self.name, cache.device, cache.config.head_dim, PAGED_ARGUMENTS)
+
+    def _planned(self, batch: PagedBatch) -> PagedBatch:
+        key_starts = [0, *itertools.accumulate(batch.lengths)]
+        plan = self._attend.plan(batch.starts, key_starts, batch.lengths, batch.new_tokens, batch.block_table)
+        return replace(batch, wrapper=plan)
+
+    def _forward(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self._store(blocks, batch, k, v)
+        return self._attend(batch.wrapper, q, *blocks, self.scale)
+
+
 class PagedFlashAttnKernel(PagedKernel):
     """FlashAttention's `flash_attn_with_kvcache` with `block_table`; new K/V appended by the
     kernel. Decode batches in one call, prefill chunks one request per call."""
@@ -222,8 +254,7 @@ class PagedFlashAttnKernel(PagedKernel):
         super().__init__(cache, num_query_heads)
         require_gpu(cache.device, self.name)
         require_half_precision(cache.config.dtype, self.name)
-        if cache.config.block_size % 256:
-            raise ValueError(f"flash-attn's paged path needs block_size % 256 == 0, got {cache.config.block_size}")
+        require_flash_attention_blocks(cache.config.block_size, self.name)
         self._attend = import_flash_attn(self.name)
 
     def _forward(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -265,15 +296,17 @@ class PagedFlashInferKernel(PagedKernel):
         tensor_cores = decode_uses_tensor_cores(num_query_heads, cache.config.num_kv_heads)
         with flashinfer_available(self.name):
             self._plans = FlashInferPlans(flashinfer, cache.device, tensor_cores)
-            self._warm_up()
+        self._warm_up()
 
     def _warm_up(self) -> None:
-        """Plans and runs a decode and a prefill over the first block (building their kernels)."""
+        """Plans a decode and a prefill over the first block (building or loading their kernels:
+        a failure there means unavailable), then runs them (a failure there is a fault)."""
         cfg, device = self.cache.config, self.cache.device
         blocks = tuple(part[:1] for part in self._layer_kv(0))
         for rows in (1, 2):
             q = torch.zeros(rows, self.num_query_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
-            planned = self._plan((0, rows), [0, 1], [0], [2], decode=rows == 1)
+            with flashinfer_available(self.name):
+                planned = self._plan((0, rows), [0, 1], [0], [2], decode=rows == 1)
             self._plans.run(planned, q, blocks)  # type: ignore[arg-type]
 
     def _plan(
@@ -314,6 +347,7 @@ PAGED_KERNELS: dict[str, type[PagedKernel]] = {
         PagedNativeKernel,
         PagedGatherKernel,
         PagedBlockwiseKernel,
+        PagedTorchFlashAttnKernel,
         PagedFlashAttnKernel,
         PagedFlashInferKernel,
     )
