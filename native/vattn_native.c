@@ -87,7 +87,7 @@ enum { CU_LOCATION_DEVICE = 1, CU_ACCESS_READ_WRITE = 3 };
 typedef struct {
     void *library;
     cu_result (*ctx_set_current)(void *ctx);
-    cu_result (*ctx_synchronize)(void);
+    cu_result (*event_synchronize)(void *event);
     cu_result (*mem_map)(cu_deviceptr, size_t, size_t, cu_handle, unsigned long long);
     cu_result (*mem_set_access)(cu_deviceptr, size_t, const cu_access_desc *, size_t);
     cu_result (*mem_unmap)(cu_deviceptr, size_t);
@@ -114,7 +114,7 @@ cuda_api *vattn_cuda_open(const char *path, char *why, size_t why_size) {
         return NULL;
     }
     if (cuda_symbol(api, (void **)&api->ctx_set_current, "cuCtxSetCurrent", why, why_size) &&
-        cuda_symbol(api, (void **)&api->ctx_synchronize, "cuCtxSynchronize", why, why_size) &&
+        cuda_symbol(api, (void **)&api->event_synchronize, "cuEventSynchronize", why, why_size) &&
         cuda_symbol(api, (void **)&api->mem_map, "cuMemMap", why, why_size) &&
         cuda_symbol(api, (void **)&api->mem_set_access, "cuMemSetAccess", why, why_size) &&
         cuda_symbol(api, (void **)&api->mem_unmap, "cuMemUnmap", why, why_size))
@@ -147,13 +147,14 @@ long vattn_cuda_map_pages(const cuda_api *api, void *ctx, int device, long count
     return count;
 }
 
-/* Unmaps pages; the addresses go back to being bare reservation. With `drain`, first
- * waits for all work queued in the context (a kernel may still read these pages: the
- * driver does not promise that cuMemUnmap waits for it). */
-long vattn_cuda_unmap_pages(const cuda_api *api, void *ctx, int drain, long count, const uint64_t *addrs,
-                            uint64_t page_size, int *err) {
+/* Unmaps pages; the addresses go back to being bare reservation. First waits for each of
+ * `events` (CUevents recorded after the work that may still read these pages: the driver
+ * does not promise that cuMemUnmap waits for it), and for no other work. */
+long vattn_cuda_unmap_pages(const cuda_api *api, void *ctx, long nevents, const uint64_t *events, long count,
+                            const uint64_t *addrs, uint64_t page_size, int *err) {
     if ((*err = api->ctx_set_current(ctx)) != 0) return 0;
-    if (drain && (*err = api->ctx_synchronize()) != 0) return 0;
+    for (long i = 0; i < nevents; i++)
+        if ((*err = api->event_synchronize((void *)(uintptr_t)events[i])) != 0) return 0;
     for (long i = 0; i < count; i++)
         if ((*err = api->mem_unmap(addrs[i], page_size)) != 0) return i;
     return count;

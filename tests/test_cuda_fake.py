@@ -94,18 +94,93 @@ def test_torch_gives_back_its_cached_memory_before_the_cache_runs_out() -> None:
     assert not driver.leaks()
 
 
-def test_nothing_is_unmapped_while_queued_gpu_work_may_read_it(fake: FakeDriver, native: bool) -> None:
-    with cuda_cache(native) as cache:
+@pytest.mark.parametrize("unmapped_by", ["release_idle", "step"])
+def test_an_unmap_waits_for_the_queued_work_on_its_pages_and_no_other(
+    fake: FakeDriver, native: bool, unmapped_by: str
+) -> None:
+    """A kernel queued while a view of a request lived still runs when the view dies and the
+    request ends: unmapping its pages waits for it (the fence its lease left), not for a kernel
+    queued afterwards on other pages, and never for the whole device."""
+    budget = 16 * 4 * 4096  # 16 page groups of 4 tensors: two requests of 256 tokens fill it
+    with cuda_cache(native, background=False, memory_budget=budget) as cache:
+        ended, other = cache.alloc_reqid(), cache.alloc_reqid()
+        cache.step({ended: 256, other: 256})
+        keys, values = cache.kv(0, ended)
+        read = keys.data_ptr()
+        fake.launch(read, keys.nbytes)  # a kernel reading the request's keys is queued
+        del keys, values  # the lease dies: its slot is fenced after that kernel
+        unrelated, unrelated_values = cache.kv(0, other)
+        later = unrelated.data_ptr()
+        fake.launch(later, unrelated.nbytes)  # queued after the fence
+        cache.free_reqid(ended)
+        if unmapped_by == "release_idle":
+            cache.release_idle()
+        else:
+            cache.step({other: 512})  # needs the ended request's pages: reclaims them
+        assert cache.stats().mapped_bytes == (16 if unmapped_by == "step" else 8) * 4 * 4096
+        assert not fake.violations, fake.violations
+        assert not fake.queued(read)  # the unmap waited for it
+        assert fake.queued(later)  # and not for this
+        assert fake.calls["cuCtxSynchronize"] == 0 and fake.calls["cuEventSynchronize"] > 0
+        del unrelated, unrelated_values
+    assert not fake.queued(later)  # closing the cache waits for everything
+
+
+def test_an_unmap_waits_for_the_fence_of_every_stream_that_used_the_pages(fake: FakeDriver, native: bool) -> None:
+    """A slot keeps the latest fence of each stream: a later lease dying on another stream does
+    not replace the fence of work still queued on the first."""
+    with cuda_cache(native, background=False) as cache:
         reqid = cache.alloc_reqid()
-        cache.step({reqid: 300})
-        keys, values = cache.kv(0, reqid)
-        fake.launch(keys.data_ptr(), keys.nbytes)  # a kernel reading the request's keys is queued
-        del keys, values
+        cache.step({reqid: 100})
+        gpu, side = cache.backend.gpu, fake.new_stream()
+        gpu.stream = side
+        keys, _ = cache.kv(0, reqid)
+        fake.launch(keys.data_ptr(), keys.nbytes, stream=side)
+        del keys, _  # fenced on the side stream
+        gpu.stream = 0
+        keys, _ = cache.kv(1, reqid)
+        fake.launch(keys.data_ptr(), keys.nbytes)
+        del keys, _  # fenced on stream 0
         cache.free_reqid(reqid)
-        assert cache.wait_for_background(10)  # it may pre-map the next reqid meanwhile
-        cache.release_idle()  # unmaps the slot's pages: must wait for the kernel first
-        assert cache.stats().mapped_bytes == 0
-    assert fake.calls["cuCtxSynchronize"] > 0
+        cache.release_idle()
+        assert not fake.violations, fake.violations
+        assert fake.calls["cuCtxSynchronize"] == 0
+
+
+def test_a_fence_that_cannot_be_recorded_makes_the_unmap_wait_for_everything(fake: FakeDriver, native: bool) -> None:
+    with cuda_cache(native, background=False) as cache:
+        reqid = cache.alloc_reqid()
+        cache.step({reqid: 100})
+        keys, values = cache.kv(0, reqid)
+        fake.launch(keys.data_ptr(), keys.nbytes)
+        fake.fail("cuEventRecord")
+        del keys, values  # its event is created, not recorded: destroyed (the fixture counts events)
+        cache.free_reqid(reqid)
+        cache.release_idle()
+        assert not fake.violations, fake.violations
+        assert fake.calls["cuCtxSynchronize"] == 1
+
+
+def test_a_fake_event_completes_the_work_queued_before_it_on_its_stream(fake: FakeDriver) -> None:
+    backend = CudaBackend(4096, max_pages=4, native=False)  # initialises the fake, its context current
+    ok, bad = (fake.CUresult.CUDA_SUCCESS,), (fake.CUresult.CUDA_ERROR_INVALID_HANDLE,)
+    try:
+        err, event = fake.cuEventCreate(int(fake.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        assert err == ok[0]
+        fake.launch(0x1000, 16)
+        assert fake.cuEventSynchronize(event) == ok and fake.queued(0x1000)  # never recorded: no work
+        side = fake.new_stream()
+        fake.launch(0x2000, 16, stream=side)
+        assert fake.cuEventRecord(event, 0) == ok
+        fake.launch(0x3000, 16)
+        assert fake.cuEventSynchronize(event) == ok
+        assert [fake.queued(addr) for addr in (0x1000, 0x2000, 0x3000)] == [False, True, True]
+        assert fake.cuEventRecord(event, 0x1234) == bad  # no such stream
+        assert fake.cuEventDestroy(event) == ok
+        assert fake.cuEventSynchronize(event) == bad
+        assert fake.cuCtxSynchronize() == ok and not fake.queued(0x2000)
+    finally:
+        backend.close()
 
 
 def test_a_failed_constructor_gives_the_context_back(fake: FakeDriver) -> None:

@@ -5,12 +5,15 @@ Every tensor the cache hands out is built over its own storage, and that storage
 another request while it lives) and holds the `CacheMemory`, which is freed only when the
 cache and every lease are gone: by `close()`, or by the garbage collector after the last
 tensor dies. So no tensor ever reaches memory that is unmapped, reused or another cache's.
+On a GPU a tensor dies before the kernels queued on it finish: as a lease dies, its slots get
+a fence after that work (`VMMBackend.fence`), and unmapping their pages waits for it.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
@@ -86,7 +89,11 @@ class CacheMemory:
             return self.views(layer, slots, length, len(slots), device)
         keys, values = layer_tensors
         index = torch.tensor([slot.index for slot in slots], device=keys.device)
-        return keys[:, :length].index_select(0, index), values[:, :length].index_select(0, index)
+        copies = keys[:, :length].index_select(0, index), values[:, :length].index_select(0, index)
+        fence = self.backend.fence()  # the copy reads the slots with no lease on them
+        for slot in slots:
+            slot.add_fence(fence)
+        return copies
 
     def views(
         self, layer: int, slots: list[Slot], length: int, rows: int | None, device: torch.device, scales: bool = False
@@ -116,8 +123,20 @@ class Lease:
 
     def __init__(self, memory: CacheMemory, slots: Sequence[Slot]) -> None:
         self.memory = memory
-        for slot in slots:  # set.add and the callback's set.discard are atomic: no lock needed
-            slot.leases.add(weakref.ref(self, slot.leases.discard))
+        if slots:  # set.add and the callback's set.discard are atomic: no lock needed
+            ref = weakref.ref(self, partial(_lease_died, memory.backend, tuple(slots)))
+            for slot in slots:
+                slot.leases.add(ref)
+
+
+def _lease_died(backend: VMMBackend, slots: tuple[Slot, ...], ref: weakref.ref[Lease]) -> None:
+    """Runs in whichever thread lets go of the lease, without the cache's lock: fences the work
+    queued so far on that thread's current stream (where the lease's tensors were used) on each
+    slot before the lease leaves it, so whoever sees a slot unpinned sees its fence too."""
+    fence = backend.fence()
+    for slot in slots:
+        slot.add_fence(fence)
+        slot.leases.discard(ref)
 
 
 def _release(
@@ -129,6 +148,8 @@ def _release(
     pool: PagePool,
     stranded: list[int],
 ) -> None:
+    """Frees everything. `free_reservation` waits for all the device's work first: closing is rare,
+    and that covers work that no slot's fence does too (through the layer tensors)."""
     try:
         if backend.forked:  # the parent still uses these pages; the child only lets go of its handles
             return
@@ -147,4 +168,6 @@ def _release(
             slot.origins.clear()
         pool.release_all()
     finally:
+        for slot in slots:
+            slot.fences.clear()  # their events go while the backend still holds the context
         backend.close()

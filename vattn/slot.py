@@ -5,7 +5,10 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vattn.backends.base import Fence
 
 
 class Origin(Enum):
@@ -49,6 +52,16 @@ class Slot:
     leases: set[weakref.ref[Any]] = field(default_factory=set)
     """Live leases of tensors (or attention batches) that can reach this slot; each one's
     weak reference takes itself out when the lease dies (see vattn.memory)."""
+
+    fences: dict[int, Fence] = field(default_factory=dict)
+    """Per stream, the fence after the latest GPU work known to use the slot's pages (recorded as
+    a lease on it dies, or after a copy from or into it): unmapping them waits for these."""
+
+    def add_fence(self, fence: Fence | None) -> None:
+        """Keeps `fence` in place of the stream's earlier one, which it covers (in any thread:
+        one dict store, atomic)."""
+        if fence is not None:
+            self.fences[fence.stream] = fence
 
     def pinned(self) -> bool:
         """Whether a live lease can reach the slot: then none of its pages may be unmapped,

@@ -1,6 +1,7 @@
 """The pages behind each slot: page groups mapped, unmapped and shared, one batched backend
 call each and all or nothing. The pool keeps the pages' references (vattn.page_pool); which
-pages to move, and when, is the page policy's (vattn.page_policy)."""
+pages to move, and when, is the page policy's (vattn.page_policy). An unmap waits only for the
+GPU work that may read the pages: that behind the fences of the slots they are unmapped from."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ from collections import Counter
 from collections.abc import Sequence
 
 from vattn.backends import VMMBackend
-from vattn.backends.base import MapError
+from vattn.backends.base import Fence, MapError
 from vattn.config import KVCacheConfig
 from vattn.page_pool import PagePool
 from vattn.prefix_cache import PrefixCache
 from vattn.slot import Origin, Slot
 from vattn.stats import MappingCounters
+
+
+def fences(slots: Sequence[Slot]) -> list[Fence]:
+    """The fences of the GPU work that may read these slots' pages."""
+    return [fence for slot in slots for fence in list(slot.fences.values())]  # list(): one atomic copy
 
 
 class SlotPages:
@@ -58,7 +64,7 @@ class SlotPages:
         count = len(groups)
         replaced = min(count, len(slot.pages) - first)
         if replaced:
-            self.backend.unmap(self.addrs(slot, first, replaced))
+            self.backend.unmap(self.addrs(slot, first, replaced), fences([slot]))
             self.pool.give_back(page for group in slot.pages[first : first + replaced] for page in group)
         pages = [page for group in groups for page in group]
         self.pool.share(pages)
@@ -67,7 +73,7 @@ class SlotPages:
             self.map_pages(addrs, pages)
         except BaseException:  # the slot's pages must stay a prefix: its own ones after the gap go too
             if rest := len(slot.pages) - first - replaced:
-                self.backend.unmap(self.addrs(slot, first + replaced, rest))
+                self.backend.unmap(self.addrs(slot, first + replaced, rest), fences([slot]))
                 self.pool.give_back(page for group in slot.pages[first + replaced :] for page in group)
             del slot.pages[first:]
             del slot.origins[first:]
@@ -101,7 +107,7 @@ class SlotPages:
         failed rollback left mapped is unmapped first (a GPU driver refuses to map over it)."""
         started = time.perf_counter()
         if stale := [addr for addr in addrs if addr in self.stranded]:
-            self.backend.unmap(stale)
+            self.backend.unmap(stale)  # in no slot: nothing read them
             self.stranded[:] = [addr for addr in self.stranded if addr not in stale]
         try:
             self.backend.map(addrs, pages)
@@ -123,7 +129,7 @@ class SlotPages:
             addrs += self.addrs(slot, first, count)
             pages += [page for group in slot.pages[first:] for page in group]
         started = time.perf_counter()
-        self.backend.unmap(addrs)
+        self.backend.unmap(addrs, fences([slot for slot, _ in tails]))
         self.counters.unmap.add(len(pages), time.perf_counter() - started)
         for slot, count in tails:
             del slot.pages[len(slot.pages) - count :]
@@ -141,11 +147,14 @@ class SlotPages:
         for base in self.bases:
             src, dst = (base + cfg.page_offset(s.index, group) for s in (source, target))
             self.backend.tensor(dst, nbytes, mapped=True).copy_(self.backend.tensor(src, nbytes, mapped=True))
+        fence = self.backend.fence()  # the copy uses both slots with no lease on them
+        source.add_fence(fence)
+        target.add_fence(fence)
 
     def copy_from_pages(self, source: list[list[int]], target: Slot, group: int, nbytes: int) -> None:
         """Copies the first `nbytes` held by the page groups `source` (referenced by the caller,
         perhaps mapped nowhere) into `target`'s groups from `group` on (mapped, its own), through
-        the scratch units: mapped there for the copy, unmapped after."""
+        the scratch units: mapped there for the copy, unmapped once it is done."""
         cfg = self.config
         count = -(-nbytes // cfg.page_size)
         addrs = [base + k * cfg.page_size for k in range(count) for base in self.scratch]
@@ -159,7 +168,8 @@ class SlotPages:
                 dst = base + cfg.page_offset(target.index, group)
                 self.backend.tensor(dst, nbytes, mapped=True).copy_(self.backend.tensor(scratch, nbytes, mapped=True))
         finally:
-            self.backend.unmap(addrs)
+            fence = self.backend.fence()
+            self.backend.unmap(addrs, [fence] if fence else [])
 
     def check_invariants(self, slots: Sequence[Slot], prefix: PrefixCache) -> None:
         """Raises AssertionError unless the pages behind the slots are consistent: each page's

@@ -32,7 +32,8 @@ class HostGpu:
 
     Like torch (it asks the driver who owns a pointer), it refuses an address that is not
     mapped with access set. `cached` bytes play torch's caching allocator: taken from the
-    fake device's memory until `free_cached_memory` gives them back.
+    fake device's memory until `free_cached_memory` gives them back. `stream` is torch's
+    current stream (0, the legacy default one, unless a test switches to one of the fake's).
     """
 
     index = 0
@@ -41,6 +42,7 @@ class HostGpu:
     def __init__(self, driver: FakeDriver, cached: int = 0) -> None:
         self.driver = driver
         self.cached = cached
+        self.stream = 0
         driver.memory -= cached
 
     def check_pointer(self, addr: int) -> None:
@@ -52,6 +54,9 @@ class HostGpu:
         array = (ctypes.c_uint8 * nbytes).from_address(addr)
         array.owner = owner  # type: ignore[attr-defined]  # the storage holds the array, the array its owner
         return torch.frombuffer(array, dtype=torch.uint8)
+
+    def current_stream(self) -> int:
+        return self.stream
 
     def cached_bytes(self) -> int:
         return self.cached
@@ -72,7 +77,7 @@ class FakeTensorGpu(HostGpu):
 
 
 _SET_CURRENT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-_SYNCHRONIZE = ctypes.CFUNCTYPE(ctypes.c_int)
+_EVENT_SYNCHRONIZE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _MAP = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.c_ulonglong, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_ulonglong, ctypes.c_ulonglong
 )
@@ -113,7 +118,7 @@ def _shim_callbacks(driver: FakeDriver) -> tuple[object, ...]:
 
     return (
         _SET_CURRENT(_guarded(driver, lambda ctx: driver.cuCtxSetCurrent(ctx or 0))),
-        _SYNCHRONIZE(_guarded(driver, driver.cuCtxSynchronize)),
+        _EVENT_SYNCHRONIZE(_guarded(driver, lambda event: driver.cuEventSynchronize(event or 0))),
         _MAP(_guarded(driver, driver.cuMemMap)),
         _SET_ACCESS(_guarded(driver, set_access)),
         _UNMAP(_guarded(driver, driver.cuMemUnmap)),

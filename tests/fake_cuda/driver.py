@@ -16,9 +16,13 @@ driver's virtual-memory documentation names when a precondition fails:
   which never made the context current);
 - after fork() every call returns CUDA_ERROR_NOT_INITIALIZED in the child.
 
-It also counts what a test may want to check: live handles, mappings, reservations and context
-retains (`leaks()`), injects failures (`fail("cuMemMap", at=3)`), and models queued GPU work
-(`launch(addr, size)` until cuCtxSynchronize) so unmapping under a running kernel is caught.
+It also counts what a test may want to check: live handles, mappings, reservations, events and
+context retains (`leaks()`), injects failures (`fail("cuMemMap", at=3)`), and models queued GPU
+work so unmapping under a running kernel is caught: `launch(addr, size, stream)` queues a
+kernel that completes when an event recorded after it on its stream is synchronized
+(cuEventRecord captures the stream's work so far; an event never recorded captures none), or
+at cuCtxSynchronize. Its streams are independent of each other, stream 0 too (CUDA's legacy
+default stream would also wait for the other blocking streams): stricter than the driver.
 Memory: each allocation is a memfd, mapped MAP_SHARED|MAP_FIXED over a PROT_NONE reservation.
 """
 
@@ -78,6 +82,15 @@ class Mapping:
     accessible: bool = False
 
 
+@dataclass(eq=False)
+class Kernel:
+    """Queued GPU work reading [start, end) (compared by identity: two launches are two kernels)."""
+
+    stream: int
+    start: int
+    end: int
+
+
 @dataclass
 class Injection:
     call: str
@@ -107,7 +120,11 @@ class FakeDriver:
         self._allocations: dict[int, Allocation] = {}
         self._reservations: dict[int, int] = {}
         self._mappings: dict[int, Mapping] = {}
-        self._queued: list[tuple[int, int]] = []
+        self._queued: list[Kernel] = []
+        self._streams = {0}
+        self._events: dict[int, list[Kernel]] = {}
+        """Each live event's captured work (what synchronizing it completes)."""
+        self._next_event = 0xE7E0_0001
         self._injections: list[Injection] = []
         self._next_handle = 0x7E57_0000_0001
         self._created_bytes = 0
@@ -125,9 +142,24 @@ class FakeDriver:
         """The `at`-th call of `call` from now returns `error` (and does nothing)."""
         self._injections.append(Injection(call, at, error))
 
-    def launch(self, addr: int, size: int) -> None:
-        """Queues a 'kernel' that reads [addr, addr + size) until the next cuCtxSynchronize."""
-        self._queued.append((addr, addr + size))
+    def new_stream(self) -> int:
+        """Another stream's handle (a test's cuStreamCreate: vattn never creates streams)."""
+        with self._lock:
+            stream = 0x5E_0000 + len(self._streams)
+            self._streams.add(stream)
+        return stream
+
+    def launch(self, addr: int, size: int, stream: int = 0) -> None:
+        """Queues a 'kernel' on `stream` that reads [addr, addr + size) until it completes."""
+        if stream not in self._streams:
+            raise ValueError(f"the fake has no stream {stream:#x}")
+        with self._lock:
+            self._queued.append(Kernel(stream, addr, addr + size))
+
+    def queued(self, addr: int) -> bool:
+        """Whether a kernel still queued reads `addr`."""
+        with self._lock:
+            return any(kernel.start <= addr < kernel.end for kernel in self._queued)
 
     def leaks(self) -> dict[str, int]:
         """What is still held: allocations not released, mappings, reservations, context retains."""
@@ -136,6 +168,7 @@ class FakeDriver:
                 "handles": sum(not a.released for a in self._allocations.values()),
                 "mappings": len(self._mappings),
                 "reservations": len(self._reservations),
+                "events": len(self._events),
                 "context_retains": sum(self._retains),
             }
         return {what: count for what, count in held.items() if count}
@@ -203,8 +236,8 @@ class FakeDriver:
         return starts if at == addr + size else None
 
     def _check_not_queued(self, addr: int, size: int, what: str) -> None:
-        for start, end in self._queued:
-            if start < addr + size and addr < end:
+        for kernel in self._queued:
+            if kernel.start < addr + size and addr < kernel.end:
                 self.violations.append(f"{what} of [{addr:#x}, {addr + size:#x}) while queued GPU work reads it")
 
     @staticmethod
@@ -273,7 +306,54 @@ class FakeDriver:
     def cuCtxSynchronize(self) -> tuple[R]:
         if (err := self._enter("cuCtxSynchronize")) is not None:
             return (err,)
-        self._queued.clear()
+        with self._lock:
+            self._queued.clear()
+        return (R.CUDA_SUCCESS,)
+
+    # ------------------------------------------------------------------ events
+
+    def cuEventCreate(self, Flags: int) -> tuple[R, Any]:
+        if not isinstance(Flags, int):
+            raise TypeError(f"an integer is required, not {type(Flags).__name__}")
+        if (err := self._enter("cuEventCreate")) is not None:
+            return err, None
+        flags = real.CUevent_flags
+        valid = flags.CU_EVENT_BLOCKING_SYNC | flags.CU_EVENT_DISABLE_TIMING | flags.CU_EVENT_INTERPROCESS
+        if Flags & ~valid or (Flags & flags.CU_EVENT_INTERPROCESS and not Flags & flags.CU_EVENT_DISABLE_TIMING):
+            return R.CUDA_ERROR_INVALID_VALUE, None
+        with self._lock:
+            handle = self._next_event
+            self._next_event += 0x10
+            self._events[handle] = []  # "before the first call to cuEventRecord, an empty set of work"
+        return R.CUDA_SUCCESS, real.CUevent(handle)
+
+    def cuEventRecord(self, hEvent: Any, hStream: Any) -> tuple[R]:
+        if (err := self._enter("cuEventRecord")) is not None:
+            return (err,)
+        event, stream = self._int(hEvent, real.CUevent), self._int(hStream, real.CUstream)
+        with self._lock:
+            if event not in self._events or stream not in self._streams:
+                return (R.CUDA_ERROR_INVALID_HANDLE,)
+            self._events[event] = [kernel for kernel in self._queued if kernel.stream == stream]
+        return (R.CUDA_SUCCESS,)
+
+    def cuEventSynchronize(self, hEvent: Any) -> tuple[R]:
+        if (err := self._enter("cuEventSynchronize")) is not None:
+            return (err,)
+        event = self._int(hEvent, real.CUevent)
+        with self._lock:
+            captured = self._events.get(event)
+            if captured is None:
+                return (R.CUDA_ERROR_INVALID_HANDLE,)
+            self._queued = [kernel for kernel in self._queued if kernel not in captured]
+        return (R.CUDA_SUCCESS,)
+
+    def cuEventDestroy(self, hEvent: Any) -> tuple[R]:
+        if (err := self._enter("cuEventDestroy")) is not None:
+            return (err,)
+        with self._lock:
+            if self._events.pop(self._int(hEvent, real.CUevent), None) is None:
+                return (R.CUDA_ERROR_INVALID_HANDLE,)
         return (R.CUDA_SUCCESS,)
 
     def cuMemGetInfo(self) -> tuple[R, Any, Any]:

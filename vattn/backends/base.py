@@ -18,6 +18,16 @@ class MapError(OSError):
         self.stranded = list(stranded)
 
 
+class Fence:
+    """A point in the work queued on a GPU stream (see `VMMBackend.fence`). Work on one stream
+    completes in order, so a later fence on the same `stream` covers everything an earlier one did."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: int) -> None:
+        self.stream = stream
+
+
 class VMMBackend(ABC):
     """Reserve address space, create physical pages, map them at addresses, view as tensors.
 
@@ -43,7 +53,8 @@ class VMMBackend(ABC):
 
     @abstractmethod
     def free_reservation(self, addr: int, nbytes: int, mapped: Sequence[int] = ()) -> None:
-        """Gives a reservation back, with the pages still mapped in it at `mapped`."""
+        """Gives a reservation back, with the pages still mapped in it at `mapped`, after all the
+        work queued on the device (only a closing cache frees reservations: that is rare)."""
 
     @abstractmethod
     def create_pages(self, count: int) -> list[int]:
@@ -58,8 +69,14 @@ class VMMBackend(ABC):
         """Maps pages[i] read-write at addrs[i] (each one page inside a reservation)."""
 
     @abstractmethod
-    def unmap(self, addrs: Sequence[int]) -> None:
-        """Puts the bare reservation back at each page address."""
+    def unmap(self, addrs: Sequence[int], fences: Sequence[Fence] = ()) -> None:
+        """Puts the bare reservation back at each page address, once the work before each of
+        `fences` is done (the work that may read those pages; nothing else is waited for)."""
+
+    def fence(self) -> Fence | None:
+        """A fence after the work queued so far on the calling thread's current stream, or None
+        when there is nothing to wait for (the host's: its work is done when its call returns)."""
+        return None
 
     def populate(self, addrs: Sequence[int]) -> int:
         """Pre-faults mapped pages; returns how many were done (stops at the first error).

@@ -2,20 +2,20 @@
 
 reserve = cuMemAddressReserve; physical pages = cuMemCreate (pinned device memory,
 any multiple of the allocation granularity); map = cuMemMap + cuMemSetAccess;
-unmap = cuMemUnmap; release = cuMemRelease; free = cuMemAddressFree. Every CUresult
-is checked. cuda-python is imported only when this backend is built, so importing
-vattn never needs CUDA.
+unmap = cuMemUnmap; release = cuMemRelease; free = cuMemAddressFree; fence = a CUevent
+recorded on torch's current stream. Every CUresult is checked. cuda-python is imported
+only when this backend is built, so importing vattn never needs CUDA.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from vattn.backends.base import MapError, VMMBackend
+from vattn.backends.base import Fence, MapError, VMMBackend
 from vattn.backends.cuda_calls import CudaCalls, select_cuda_calls
 from vattn.errors import ConfigurationError, OutOfPagesError, UnavailableError
 
@@ -64,6 +64,10 @@ class TorchGpu:
         """A uint8 tensor over device memory (torch asks the driver who owns `addr`: it must be mapped)."""
         return torch.as_tensor(_DeviceArray(addr, nbytes, owner), device=self.device)
 
+    def current_stream(self) -> int:
+        """The CUstream handle of torch's current stream on this GPU in the calling thread."""
+        return torch.cuda.current_stream(self.device).cuda_stream
+
     def cached_bytes(self) -> int:
         """Device memory torch's caching allocator holds but does not use (cuMemGetInfo counts it as taken)."""
         return torch.cuda.memory_reserved(self.index) - torch.cuda.memory_allocated(self.index)
@@ -72,12 +76,29 @@ class TorchGpu:
         torch.cuda.empty_cache()
 
 
+class CudaFence(Fence):
+    """A CUevent recorded on `stream`, destroyed with the fence. `event` is None when it could
+    not be recorded: then unmapping behind it waits for all the device's work."""
+
+    __slots__ = ("_backend", "event")
+
+    def __init__(self, backend: CudaBackend, stream: int, event: int | None) -> None:
+        super().__init__(stream)
+        self._backend = backend
+        self.event = event
+
+    def __del__(self) -> None:
+        if self.event is not None:
+            self._backend.destroy_event(self.event)
+
+
 class CudaBackend(VMMBackend):
     """Pages of device memory mapped into reservations of the GPU's virtual address space.
 
-    Nothing is unmapped while GPU work may still read it: every unmap first waits for the work
-    queued in the context (a view or batch dies when Python lets go of it, not when the
-    kernels that read it finish). Pages are released and reservations freed only once unmapped.
+    Nothing is unmapped while GPU work may still read it (a view or batch dies when Python lets
+    go of it, not when the kernels that read it finish): an unmap first waits for the fences
+    its caller gives, recorded after that work, and for no other work, so it never waits for
+    the whole GPU queue. Pages are released and reservations freed only once unmapped.
     """
 
     name = "cuda"
@@ -151,7 +172,11 @@ class CudaBackend(VMMBackend):
         return int(self._check(self._driver.cuMemAddressReserve(nbytes, self.granularity, 0, 0), "cuMemAddressReserve"))
 
     def free_reservation(self, addr: int, nbytes: int, mapped: Sequence[int] = ()) -> None:
-        self.unmap(mapped)
+        """Waits for all the device's work (cuCtxSynchronize) before unmapping: only a closing
+        cache frees its reservations, and that is rare enough to wait for everything once."""
+        if mapped:
+            self._drain()
+            self.unmap(mapped)
         self._enter()
         self._check(self._driver.cuMemAddressFree(addr, nbytes), "cuMemAddressFree")
 
@@ -177,7 +202,7 @@ class CudaBackend(VMMBackend):
         return pages
 
     def release_pages(self, pages: Sequence[int]) -> None:
-        """Releases pages mapped nowhere (so no GPU work can still read them: unmap drained it)."""
+        """Releases pages mapped nowhere (so no GPU work can still read them: each unmap waited for it)."""
         self._enter()
         for page in pages:
             self._check(self._driver.cuMemRelease(page), "cuMemRelease")
@@ -186,16 +211,50 @@ class CudaBackend(VMMBackend):
     def map(self, addrs: Sequence[int], pages: Sequence[int]) -> None:
         done, err = self.calls.map_pages(addrs, pages, self.page_size)
         if done < len(addrs):
-            undone, _ = self.calls.unmap_pages(addrs[:done], self.page_size, drain=False)  # nothing read them yet
+            undone, _ = self.calls.unmap_pages(addrs[:done], self.page_size, ())  # nothing read them yet
             message = str(CudaError(self._driver, f"mapping page {done} of {len(addrs)}", err))
             raise MapError(0, message, addrs[undone:done])
 
-    def unmap(self, addrs: Sequence[int]) -> None:
+    def unmap(self, addrs: Sequence[int], fences: Sequence[Fence] = ()) -> None:
         if not addrs:
             return
-        done, err = self.calls.unmap_pages(addrs, self.page_size, drain=True)
+        waits = [cast(CudaFence, fence).event for fence in fences]
+        if None in waits:
+            self._drain()
+        events = list(dict.fromkeys(event for event in waits if event is not None))  # a lease fences several slots
+        done, err = self.calls.unmap_pages(addrs, self.page_size, events)
         if done < len(addrs):
             raise CudaError(self._driver, f"unmapping page {done} of {len(addrs)}", err)
+
+    def fence(self) -> CudaFence | None:
+        """A CUevent (no timing) recorded on torch's current stream in the calling thread; the
+        work that used the fenced pages must be ordered before it on that stream."""
+        if self._closed or self.forked:
+            return None
+        stream = self.gpu.current_stream()
+        driver = self._driver
+        try:
+            self._enter()
+            flags = int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+            fence = CudaFence(self, stream, int(self._check(driver.cuEventCreate(flags), "cuEventCreate")))
+            self._check(driver.cuEventRecord(fence.event, stream), "cuEventRecord")
+        except CudaError:  # dropping the fence destroys its event; without one, unmapping waits for everything
+            return CudaFence(self, stream, None)
+        return fence
+
+    def destroy_event(self, event: int) -> None:
+        """A dropped fence's event goes, in whatever thread drops it; a failure leaks one event."""
+        if self._closed or self.forked:
+            return
+        driver = self._driver
+        (err,) = driver.cuCtxSetCurrent(self._context)
+        if err == driver.CUresult.CUDA_SUCCESS:
+            driver.cuEventDestroy(event)
+
+    def _drain(self) -> None:
+        """Waits for all the work queued on the device."""
+        self._enter()
+        self._check(self._driver.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def tensor(
         self, addr: int, nbytes: int, owner: object = None, mapped: bool = False, dtype: torch.dtype = torch.uint8

@@ -3,8 +3,8 @@
 Both make the backend's context current in the calling thread first (so the background
 mapper needs no setup of its own) and report how many pages they finished plus the
 CUresult that stopped them, so the backend can roll a failed batch back exactly. An unmap
-that `drain`s first waits for the work queued in the context (cuCtxSynchronize): the
-driver does not promise that cuMemUnmap waits for kernels that may still read the pages.
+first waits for the CUevents it is given (recorded after the work that may still read the
+pages: the driver does not promise that cuMemUnmap waits for it), and for nothing else.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class CudaCalls(Protocol):
 
     def map_pages(self, addrs: Sequence[int], handles: Sequence[int], page_size: int) -> tuple[int, int]: ...
 
-    def unmap_pages(self, addrs: Sequence[int], page_size: int, drain: bool) -> tuple[int, int]: ...
+    def unmap_pages(self, addrs: Sequence[int], page_size: int, events: Sequence[int]) -> tuple[int, int]: ...
 
     def close(self) -> None: ...
 
@@ -61,13 +61,15 @@ class DriverCudaCalls:
                 return i, int(err)
         return len(addrs), 0
 
-    def unmap_pages(self, addrs: Sequence[int], page_size: int, drain: bool) -> tuple[int, int]:
+    def unmap_pages(self, addrs: Sequence[int], page_size: int, events: Sequence[int]) -> tuple[int, int]:
         driver = self._driver
         (err,) = driver.cuCtxSetCurrent(self._context)
-        if err == driver.CUresult.CUDA_SUCCESS and drain:
-            (err,) = driver.cuCtxSynchronize()
         if err != driver.CUresult.CUDA_SUCCESS:
             return 0, int(err)
+        for event in events:
+            (err,) = driver.cuEventSynchronize(event)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                return 0, int(err)
         for i, addr in enumerate(addrs):
             (err,) = driver.cuMemUnmap(addr, page_size)
             if err != driver.CUresult.CUDA_SUCCESS:
@@ -104,7 +106,8 @@ class NativeCudaCalls:
         lib.vattn_cuda_unmap_pages.argtypes = [
             ctypes.c_void_p,
             ctypes.c_void_p,
-            ctypes.c_int,
+            ctypes.c_long,
+            u64p,
             ctypes.c_long,
             u64p,
             ctypes.c_uint64,
@@ -132,10 +135,17 @@ class NativeCudaCalls:
         )
         return done, err.value
 
-    def unmap_pages(self, addrs: Sequence[int], page_size: int, drain: bool) -> tuple[int, int]:
+    def unmap_pages(self, addrs: Sequence[int], page_size: int, events: Sequence[int]) -> tuple[int, int]:
         err = ctypes.c_int(0)
         done = self._lib.vattn_cuda_unmap_pages(
-            self._api, self._context, drain, len(addrs), u64_array(addrs), page_size, ctypes.byref(err)
+            self._api,
+            self._context,
+            len(events),
+            u64_array(events),
+            len(addrs),
+            u64_array(addrs),
+            page_size,
+            ctypes.byref(err),
         )
         return done, err.value
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from vattn.backends.base import MapError, VMMBackend
+from vattn.backends.base import Fence, MapError, VMMBackend
 from vattn.backends.host_calls import (
     LIBC,
     MAP_ANONYMOUS,
@@ -169,7 +169,8 @@ class HostBackend(VMMBackend):
             undone, _ = self.calls.unmap_pages(addrs[:done], self.page_size, RESERVATION_FLAGS | MAP_FIXED)
             raise MapError(err, f"mapping page {done} of {len(addrs)}: {os.strerror(err)}", addrs[undone:done])
 
-    def unmap(self, addrs: Sequence[int]) -> None:
+    def unmap(self, addrs: Sequence[int], fences: Sequence[Fence] = ()) -> None:
+        """No fence to wait for: CPU work on these pages ended when the call that did it returned."""
         done, err = self.calls.unmap_pages(addrs, self.page_size, RESERVATION_FLAGS | MAP_FIXED)
         if done < len(addrs):
             raise OSError(err, f"unmapping page {done} of {len(addrs)}: {os.strerror(err)}")
