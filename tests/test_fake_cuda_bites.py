@@ -23,6 +23,11 @@ CASES = {
     "leaked-handle": ("tests/test_kv_cache.py", "test_data_survives and ctypes-fakecuda", "left behind: {'handles'"),
     "no-context": ("tests/test_kv_cache.py", "test_background_thread_maps_ahead and ctypes-fakecuda", "mapper failed"),
     "no-rollback": ("tests/test_cuda_fake.py", "halfway and ctypes-cuMemMap", "mapping page 0 of"),
+    "unfenced-unmap": (
+        "tests/test_cuda_fake.py",
+        "waits_for_the_queued_work and ctypes-release_idle",
+        "while queued GPU work reads it",
+    ),
 }
 """Breakage -> (tests, their selection, what the failure says)."""
 

@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 
-from vattn.backends.base import MapError
+from vattn.backends.base import Fence, MapError
 from vattn.backends.cuda import CudaBackend, CudaError
 from vattn.backends.cuda_calls import DriverCudaCalls
 
 original_map_pages = DriverCudaCalls.map_pages
 original_release = CudaBackend.release_pages
 original_calls_init = DriverCudaCalls.__init__
+original_unmap = CudaBackend.unmap
 
 
 def misaligned_map(self: DriverCudaCalls, addrs: Sequence[int], handles: Sequence[int], size: int) -> tuple[int, int]:
@@ -66,12 +67,18 @@ def map_without_rollback(self: CudaBackend, addrs: Sequence[int], pages: Sequenc
         raise MapError(0, str(CudaError(self._driver, f"mapping page {done} of {len(addrs)}", err)), [])
 
 
+def unmap_unfenced(self: CudaBackend, addrs: Sequence[int], fences: Sequence[Fence] = ()) -> None:
+    """Unmaps without waiting for the GPU work that may still read the pages."""
+    original_unmap(self, addrs)
+
+
 BREAKAGES: dict[str, tuple[type, str, Callable[..., Any]]] = {
     "misaligned-map": (DriverCudaCalls, "map_pages", misaligned_map),
     "no-set-access": (DriverCudaCalls, "map_pages", map_without_access),
     "leaked-handle": (CudaBackend, "release_pages", release_all_but_one),
     "no-context": (DriverCudaCalls, "__init__", calls_without_context),
     "no-rollback": (CudaBackend, "map", map_without_rollback),
+    "unfenced-unmap": (CudaBackend, "unmap", unmap_unfenced),
 }
 
 
