@@ -1,88 +1,123 @@
 #!/usr/bin/env bash
-# vattn's GPU check on an H100/H200 (or any CUDA GPU), no network needed. From the repo root, run:
+# vattn's whole GPU check, prepared for one lent quarter hour on an H100/H200 (any CUDA GPU): no
+# network, PIP_NO_INDEX=1 throughout. From the repo root:
 #
-#   bash benchmarks/gpu_suite.sh
+#   bash benchmarks/gpu_suite.sh              # on the GPU machine
+#   FAKE_GPU=1 bash benchmarks/gpu_suite.sh   # here, on the CPU: every GPU step on the tests' fakes
 #
-# then send back the folder gpu-out/ (or only gpu-out/gpu_results.tgz, which holds all of it:
-# every log, versions.txt, kernels.txt, summary.txt and the results under paper_repro/results/).
-# About 15-30 min on an H100; SKIP_BENCH=1 runs the builds and tests only (a few minutes).
+# Prepared here first with `make gpu-wheels` (the server's packages the GPU image lacks, about
+# 7 MiB, into .whl/), then through the device tool, in one call:
 #
-# Settings (environment): OUT (the folder, default ./gpu-out); PYTHON (default .venv/bin/python
-# when there is one, else python3: it needs a CUDA build of torch, plus cuda-bindings, pytest,
-# pytest-timeout, hypothesis, tqdm, matplotlib and what the project imports); SKIP_BENCH=1;
-# PROBE_TIMEOUT (seconds per kernel-library probe, default 1800: FlashInfer may compile).
-# flash-attn and flashinfer are optional: put their wheels (with flashinfer-cubin and the
-# matching flashinfer-jit-cache, so FlashInfer needs no nvcc) in .whl/ and they are installed first.
+#   run(command="SEND=$OUT bash benchmarks/gpu_suite.sh", carry=[".whl"], timeout_s=600)
 #
-# Steps, each with its own status (summary.txt) and log in $OUT:
-#   wheels    .whl/*.whl installed into a folder on PYTHONPATH (only when there are any);
-#   build     vattn/libvattn_native.so and vattn/libvattn_ops.so (and the tests' fake libcuda)
-#             by the Makefile's own rules against $PYTHON's torch, then loaded once;
-#   versions  driver, torch, CUDA, cuda-bindings, flash-attn, flash-attn-4, flashinfer, nvcc;
-#   (no GPU: the suite says so here and stops, with status 0 unless a step above failed)
-#   kernels   flash_attn, flash_attn.cute and flashinfer each probed in its own process (FlashInfer
-#             plans and runs a float16 decode and prefill, building or loading its kernels):
-#             `available` or `unavailable: <why>` in kernels.txt, never a failure;
-#   cuda      tests/test_cuda.py on the GPU (cuda_tests.log): the GPU verdict;
-#   fake      the other tests/test_cuda*.py and the fake-driver tests (fake_tests.log; without the
-#             default model, those marked needs_model are deselected);
-#   rest      the rest of the tests, only when the default model is in the cache (else skipped);
-#   bench-*   Table 7, Fig. 10, Fig. 8 and Fig. 9 into paper_repro/results/<device>/.
+# Settings (environment): SUITE_SECONDS, the budget of the whole run (default 540: a 600-second
+# command with room to pack up); OUT, where every log goes (default ./gpu-out); SEND, a folder
+# that gets only summary.txt and gpu_results.tgz (which holds all of OUT and the results under
+# paper_repro/results/): the device tool brings back 8 files at most; PYTHON (default
+# .venv/bin/python when there is one, else python3, the GPU image's, which has torch);
+# FAKE_GPU=1.
+#
+# The steps, in the order of what they tell; each has its own limit in seconds, cut to what is
+# left of the budget, and a step with under 10 seconds left is skipped, so the run always ends
+# with its summary and tarball inside the budget:
+#   wheels 40     .whl/*.whl installed into a folder on PYTHONPATH (only when there are any)
+#   build 150     vattn's native libraries, by the Makefile's rules, against $PYTHON's torch
+#   versions 30   driver, GPU, torch, CUDA, cuda-bindings, flash-attn, flashinfer, nvcc
+#   gpu           is there a GPU? (none: the suite stops here, status 0 unless a step failed)
+#   kernels 180   each GPU kernel built and run once in bfloat16 and float16, in a process of
+#                 its own (benchmarks.gpu_probe): kernels.jsonl, with build and first-call seconds
+#   model 150     the random-weight models (nothing to download) generating on CUDA through
+#                 vattn's own pages, every cache and kernel, against a CPU float32 run
+#                 (benchmarks.gpu_model_check): model_check.json
+#   serve 90      `vattn serve --model synthetic:tiny --backend cuda` answers a completion
+#   cuda 180      tests/test_cuda.py (JUnit XML too); a kernel the probe found available whose
+#                 tests all skipped is a failure
+#   decode 150    Fig. 9 at the paper's shapes: FA2 on virtual tensors against FA2 paged, FlashInfer
+#                 and SDPA where present; the model table on synthetic:paper
+#   prefill 120   Fig. 8, quick: the paper's models at 4K and 16K tokens
+#   then, while time remains: fake (the fake-driver tests), allocation (Table 7), hiding (Fig. 10)
 # The exit status is 1 when a step failed; skipped steps and unavailable libraries are not failures.
-# shellcheck disable=SC2329  # (this whole file) functions run through run_step are used
+# shellcheck disable=SC2329,SC2086  # (this whole file) functions run through step are used; $GPU_PYTHON splits
 set -uo pipefail
 
+started=$SECONDS
+budget=${SUITE_SECONDS:-540}
 root=$PWD
 out="${OUT:-$root/gpu-out}"
+rm -rf "$out"
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 : >"$out/summary.txt"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ -z "${PYTHON:-}" ]]; then
     PYTHON=python3
     [[ -x .venv/bin/python ]] && PYTHON=.venv/bin/python
 fi
+fake=${FAKE_GPU:-0}
+GPU_PYTHON=$PYTHON # what runs a GPU step (split on spaces): with FAKE_GPU=1, the tests' fake GPU around it
+((fake)) && GPU_PYTHON="$PYTHON -m tests.fake_gpu"
+export out PYTHON GPU_PYTHON
+results="$root/paper_repro/results"
+((fake)) && results="$out/results" # fake figures never land beside real ones
 failed=0
 
 record() { # step status: one line of the summary
-    printf '%-20s %s\n' "$1" "$2" | tee -a "$out/summary.txt"
+    printf '%-10s %5ss  %s\n' "$1" "$((SECONDS - started))" "$2" | tee -a "$out/summary.txt"
 }
 
-logged() { # log command...: runs the command with its output also in $out/<log>; its exit status
-    local log=$1
-    shift
-    echo "== $*"
-    "$@" 2>&1 | tee "$out/$log"
-    return "${PIPESTATUS[0]}"
+left() { # seconds left of the budget, keeping 10 to pack up
+    echo $((budget - (SECONDS - started) - 10))
 }
 
-recorded() { # step log status [note]: records ok, or FAILED (a real failure: the suite's status is 1)
-    local note=${4:+ ($4)}
-    if (($3 == 0)); then
-        record "$1" "ok$note"
+step() { # name limit log command...: runs it with the output also in $out/<log>, within its limit
+    local name=$1 limit=$2 log=$3 code
+    shift 3
+    local remaining cut=0
+    remaining=$(left)
+    ((remaining < limit)) && limit=$remaining cut=1
+    if ((limit < 10)); then
+        record "$name" "skipped: out of time (${budget}s budget)"
+        return 0
+    fi
+    echo "== $name (at most ${limit}s): $*"
+    timeout --kill-after=5 "$limit" bash -c '"$@"' "$name" "$@" 2>&1 | tee "$out/$log" # bash: a function too
+    code=${PIPESTATUS[0]}
+    if ((code == 0)); then
+        record "$name" "ok${note:+ ($note)}"
+    elif ((code == 124 || code == 137)) && ((cut)); then
+        record "$name" "cut short: the budget's last ${limit}s ran out, see $log"
+    elif ((code == 124 || code == 137)); then
+        record "$name" "FAILED: timed out after ${limit}s, see $log"
+        failed=1
     else
-        record "$1" "FAILED (exit $3, see $2)$note"
+        record "$name" "FAILED (exit $code, see $log)${note:+ ($note)}"
         failed=1
     fi
-    return "$3"
+    note=""
+    return "$code"
+}
+note=""
+
+stub() { # name why: a step that cannot run on the fakes
+    record "$1" "stubbed (FAKE_GPU): $2"
 }
 
-run_step() { # step log command...
-    logged "${@:2}"
-    recorded "$1" "$2" $?
-}
-
-finish() { # the tarball of $out and the results, the summary, and the exit status
+finish() { # the tarball of $out and the results, the summary, SEND, and the exit status
     local tarball="${TMPDIR:-/tmp}/gpu_results.$$.tgz" # written outside $out, which it holds
-    if tar czf "$tarball" --exclude=gpu_results.tgz --exclude=paper_repro/results/cpu \
-        -C "$out" . -C "$root" paper_repro/results; then
+    local parts=(-C "$out" .)
+    ((fake)) || parts+=(-C "$root" paper_repro/results)
+    if tar czf "$tarball" --exclude=gpu_results.tgz --exclude=paper_repro/results/cpu "${parts[@]}"; then
         mv "$tarball" "$out/gpu_results.tgz"
     else
         rm -f "$tarball" "$out/gpu_results.tgz"
         echo "note: could not write $out/gpu_results.tgz (send the folder $out instead)"
     fi
+    record total "$((SECONDS - started))s of a ${budget}s budget"
+    if [[ -n ${SEND:-} ]]; then
+        mkdir -p "$SEND" && cp "$out/summary.txt" "$SEND/" && cp "$out/gpu_results.tgz" "$SEND/" 2>/dev/null
+    fi
     echo
-    echo "== summary ($out/summary.txt; send back $out)"
+    echo "== summary ($out/summary.txt)"
     cat "$out/summary.txt"
     exit "$failed"
 }
@@ -93,22 +128,21 @@ if ! command -v "$PYTHON" >/dev/null; then
     finish
 fi
 
-# --- wheels ---------------------------------------------------------------------------------
+# --- wheels, build, versions ----------------------------------------------------------------
 if compgen -G ".whl/*.whl" >/dev/null; then
     site=/tmp/vattn-gpu-site
-    run_step wheels wheels.log "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    step wheels 40 wheels.log "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --upgrade --target "$site" .whl/*.whl
     export PYTHONPATH="$PYTHONPATH:$site"
 fi
 
-# --- build ----------------------------------------------------------------------------------
 load_libraries() {
     "$PYTHON" -c 'import ctypes, torch; ctypes.CDLL("vattn/libvattn_native.so"); torch.ops.load_library("vattn/libvattn_ops.so"); print("both libraries load")'
 }
 
 build() {
-    # The Makefile's rules (its flags, -march=native included), with $PYTHON's torch; -o: never
-    # the Makefile's CPU venv (.venv/.installed), whose rule would install torch from the network.
+    # The Makefile's rules with $PYTHON's torch; -o: never the Makefile's CPU venv (.venv/.installed),
+    # whose rule would install torch from the network.
     local make_args=(--no-print-directory -j"$(nproc 2>/dev/null || echo 4)" -o .venv/.installed PY="$PYTHON")
     command -v make >/dev/null || {
         echo "make is not installed (it and a C/C++ compiler build the native libraries)"
@@ -116,14 +150,13 @@ build() {
     }
     make "${make_args[@]}" native || return
     load_libraries && return
-    # Built earlier against another torch: compile the operators again (-W: as if their sources changed).
     echo "vattn/libvattn_ops.so does not load with this torch: building it again"
     local sources=(native/*.cpp)
     make "${make_args[@]}" "${sources[@]/#/-W}" vattn/libvattn_ops.so && load_libraries
 }
-run_step build build.log build
+export -f load_libraries build
+step build 150 build.log build
 
-# --- versions -------------------------------------------------------------------------------
 versions() {
     if command -v nvidia-smi >/dev/null; then
         nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv ||
@@ -135,184 +168,136 @@ versions() {
     command -v nvcc >/dev/null && nvcc --version | tail -n 2
     "$PYTHON" - <<'EOF'
 import importlib.metadata as md
-import importlib.util
 import platform
 
-print("python", platform.python_version())
 import torch
 
+print("python", platform.python_version())
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu available", torch.cuda.is_available())
-if torch.cuda.is_available():
-    print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
-for name in ("cuda-bindings", "cuda-python", "flash-attn", "flash-attn-4", "flashinfer-python",
-             "flashinfer-cubin", "flashinfer-jit-cache"):
+print("torch's FlashAttention 2:", torch.ops.aten._flash_attention_forward.default._schema)
+for name in ("cuda-bindings", "flash-attn", "flash-attn-4", "flashinfer-python", "flashinfer-cubin",
+             "flashinfer-jit-cache", "transformers", "tokenizers", "fastapi", "uvicorn", "pydantic"):
     try:
         print(name, md.version(name))
     except md.PackageNotFoundError:
         print(name, "not installed")
-try:
-    found = importlib.util.find_spec("flash_attn.cute") is not None
-except ModuleNotFoundError:  # no flash_attn at all
-    found = False
-except Exception as exc:  # flash_attn is there but fails to import
-    found = f"False ({type(exc).__name__}: {exc})"
-print("flash_attn.cute (FlashAttention 4, not used by vattn):", found)
 EOF
 }
-run_step versions versions.txt versions
+export -f versions
+step versions 30 versions.txt versions
 
-gpu_check() { # prints why there is no GPU; status 0 when there is one
-    "$PYTHON" -c '
+gpu_check() { # prints the GPU, or why there is none (status 1)
+    $GPU_PYTHON -c '
 import sys
-try:
-    import torch
-except Exception as exc:
-    sys.exit(f"torch does not import with {sys.executable}: {type(exc).__name__}: {exc}")
+import torch
 if not torch.cuda.is_available():
-    sys.exit(f"torch.cuda.is_available() is False (torch {torch.__version__}, built for CUDA {torch.version.cuda})")
-' 2>&1
+    sys.exit(f"no GPU: torch.cuda.is_available() is False (torch {torch.__version__}, CUDA {torch.version.cuda})")
+from paper_repro._harness import results_dir
+print("gpu", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
+print(results_dir().name)
+'
 }
-if ! why=$(gpu_check); then
-    echo
-    echo "NO GPU HERE: $why."
+if ! gpu_check 2>&1 | tee "$out/gpu.txt"; then
+    record gpu "none: stopped here ($(tail -n 1 "$out/gpu.txt"))"
     echo "Nothing more to run: this suite is for a machine with a CUDA GPU (the CUDA logic's CI tests"
-    echo "run in 'make test' on the fake driver). Stopping after the build and versions steps."
-    record gpu "none: stopped here (${why})"
+    echo "run in 'make test' on the fake driver; FAKE_GPU=1 runs this script on them)."
     finish
 fi
+record gpu "$(grep '^gpu ' "$out/gpu.txt")"
+results_folder="$results/$(tail -n 1 "$out/gpu.txt")" # paper_repro/results/<device>, as the experiments name it
 
 # --- kernels --------------------------------------------------------------------------------
-PROBE='
-import sys
-import traceback
-
-import torch
-
-
-def flash_attn():
-    from flash_attn import flash_attn_with_kvcache
-
-    def rand(*shape):
-        return torch.randn(*shape, dtype=torch.float16, device="cuda")
-
-    lengths = torch.tensor([100], dtype=torch.int32, device="cuda")
-    flash_attn_with_kvcache(rand(1, 1, 8, 128), rand(1, 256, 2, 128), rand(1, 256, 2, 128), cache_seqlens=lengths)
-
-
-def flash_attn_cute():
-    import flash_attn.cute  # noqa: F401  (FlashAttention 4: imported only, vattn does not use it)
-
-
-def flashinfer():
-    import flashinfer
-
-    heads, kv_heads, dim, page = 8, 2, 128, 16  # one request: 2 pages, 21 tokens
-
-    def i32(values):
-        return torch.tensor(values, dtype=torch.int32, device="cuda")
-
-    workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
-    kv = tuple(torch.randn(2, page, kv_heads, dim, dtype=torch.float16, device="cuda") for _ in range(2))
-    table = (i32([0, 2]), i32([0, 1]), i32([5]))
-    decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-    decode.plan(*table, heads, kv_heads, dim, page, q_data_type=torch.float16)
-    decode.run(torch.randn(1, heads, dim, dtype=torch.float16, device="cuda"), kv)
-    prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-    prefill.plan(i32([0, 4]), *table, heads, kv_heads, dim, page, causal=True, q_data_type=torch.float16)
-    prefill.run(torch.randn(4, heads, dim, dtype=torch.float16, device="cuda"), kv)
-
-
-try:
-    {"flash_attn": flash_attn, "flash_attn.cute": flash_attn_cute, "flashinfer": flashinfer}[sys.argv[1]]()
-    torch.cuda.synchronize()
-except Exception as exc:
-    traceback.print_exc()
-    reason = (str(exc).strip().splitlines() or [""])[0]
-    print(f"PROBE unavailable: {type(exc).__name__}: {reason}")
-    sys.exit(1)
-print("PROBE available")
-'
-
-probe() { # library: one line, "<library>: available" or "<library>: unavailable: <why>"
-    local library=$1 output code verdict runner=()
-    command -v timeout >/dev/null && runner=(timeout "${PROBE_TIMEOUT:-1800}")
-    output=$("${runner[@]}" "$PYTHON" -c "$PROBE" "$library" 2>&1)
-    code=$?
-    printf -- '-- %s (exit %s)\n%s\n' "$library" "$code" "$output" >>"$out/kernels.log"
-    verdict=$(grep '^PROBE ' <<<"$output" | tail -n 1)
-    if ((code == 124)); then
-        verdict="PROBE unavailable: timed out after ${PROBE_TIMEOUT:-1800} s (building its kernels?)"
-    elif [[ -z $verdict ]]; then
-        verdict="PROBE unavailable: the probe died (exit $code), see kernels.log"
-    fi
-    echo "$library: ${verdict#PROBE }"
+probe_all() {
+    local kernel code=0
+    : >"$out/kernels.jsonl"
+    for kernel in $("$PYTHON" -c 'from benchmarks.gpu_probe import GPU_KERNELS; print(*GPU_KERNELS)'); do
+        timeout --kill-after=5 "${PROBE_TIMEOUT:-60}" $GPU_PYTHON -m benchmarks.gpu_probe "$kernel" \
+            --out "$out/kernels.jsonl" || code=1
+    done
+    return $code
 }
-echo "== kernels: each library probed in its own process (kernels.log)"
-: >"$out/kernels.log"
-: >"$out/kernels.txt"
-for library in flash_attn flash_attn.cute flashinfer; do
-    line=$(probe "$library")
-    echo "$line" | tee -a "$out/kernels.txt"
-    status=${line#"$library: "}
-    record "$library" "${status:0:100}"
-done
+export -f probe_all
+step kernels 180 kernels.log probe_all
 
-# --- tests ----------------------------------------------------------------------------------
-pytest_step() { # step log pytest-arguments...: recorded with pytest's counts (all skipped shows there)
-    logged "$2" "$PYTHON" -m pytest -q -rs -p no:cacheprovider "${@:3}"
-    local code=$? counts
-    counts=$(grep -E '(passed|failed|skipped|errors?|no tests ran).* in [0-9.]+s' "$out/$2" | tail -n 1 |
-        sed -E 's/^[= ]+|[= ]+$//g')
-    recorded "$1" "$2" "$code" "$counts"
-}
-shopt -s nullglob
-fake_tests=()
-for test in tests/test_cuda*.py tests/test_fake_cuda*.py tests/test_gpu_kernel_guards.py; do
-    [[ $test != tests/test_cuda.py ]] && fake_tests+=("$test")
-done
-shopt -u nullglob
-model_check() { # prints where the default model is, or why it cannot be used; status 0 when it is there
-    "$PYTHON" -c '
-import sys
-from serving.default_model import default_model_dir, is_converted
-folder = default_model_dir()
-sys.exit(0 if is_converted(folder) else f"{folder} holds no converted model")
-' 2>&1 | tail -n 1
-}
-model_here=1
-why=$(model_check) || model_here=0
-without_model=()
-((model_here)) || without_model=(-m "not needs_model") # the fake tests that load the model: deselected
-pytest_step cuda cuda_tests.log tests/test_cuda.py
-((${#fake_tests[@]})) && pytest_step fake fake_tests.log "${without_model[@]}" "${fake_tests[@]}"
-
-if ((model_here)); then
-    ignored=()
-    for test in tests/test_cuda.py "${fake_tests[@]}"; do ignored+=(--ignore "$test"); done
-    pytest_step rest rest_tests.log tests "${ignored[@]}"
+# --- the model on CUDA, and served ----------------------------------------------------------
+if ((fake)); then
+    stub model "greedy tokens need the device's values (the engine's dry run on fake CUDA runs in make test)"
 else
-    record rest "skipped: no default model ($why); 'python -m serving.default_model' with network, or set VATTN_CACHE_DIR to a copied cache"
+    step model 150 model_check.log "$PYTHON" -m benchmarks.gpu_model_check --out "$out/model_check.json"
 fi
 
-# --- benchmarks -----------------------------------------------------------------------------
-if [[ ${SKIP_BENCH:-0} != 0 ]]; then
-    record bench "skipped: SKIP_BENCH is set"
+serve_once() {
+    local port=8321 code=1
+    "$PYTHON" -m serving.server.cli serve --model synthetic:tiny --backend cuda --dtype bfloat16 \
+        --host 127.0.0.1 --port "$port" >"$out/server.log" 2>&1 &
+    local server=$!
+    "$PYTHON" - "$port" <<'EOF' && code=0
+import json
+import sys
+import time
+import urllib.request
+
+base = f"http://127.0.0.1:{sys.argv[1]}"
+for _ in range(120):
+    try:
+        urllib.request.urlopen(f"{base}/health", timeout=1)
+        break
+    except OSError:
+        time.sleep(0.5)
+body = json.dumps({"model": "synthetic-tiny", "prompt": "The lighthouse keeper", "max_tokens": 16, "temperature": 0})
+request = urllib.request.Request(f"{base}/v1/completions", body.encode(), {"Content-Type": "application/json"})
+answer = json.load(urllib.request.urlopen(request, timeout=60))
+print(json.dumps(answer, indent=1))
+assert answer["choices"][0]["text"], "an empty completion"
+assert answer["usage"]["completion_tokens"] == 16, answer["usage"]
+EOF
+    kill "$server" 2>/dev/null
+    wait "$server" 2>/dev/null
+    echo "-- server log"
+    tail -n 30 "$out/server.log"
+    return $code
+}
+export -f serve_once
+if ((fake)); then
+    stub serve "sampling needs the device's values"
 else
-    # prefill and decode run every CUDA kernel family on either cache; a kernel library that is
-    # not here is a skipped row, and the model tables are skipped without the model.
-    for bench in "paper_repro.gpu_allocation" "paper_repro.latency_hiding --backend cuda" "paper_repro prefill" \
-        "paper_repro decode"; do
-        name=${bench%% -*}
-        name="bench-${name##*[ .]}" # bench-gpu_allocation, bench-latency_hiding, bench-prefill, bench-decode
-        # shellcheck disable=SC2086  # the benchmark's arguments are meant to split
-        logged "$name.log" "$PYTHON" -m $bench
-        code=$?
-        if ((code == 2)) && why=$(grep -m 1 "cannot run here" "$out/$name.log"); then
-            why=${why#*cannot run here: }
-            record "$name" "skipped: ${why:0:100}" # measure.gpu.cannot_run (status 2): not a failure
-        else
-            recorded "$name" "$name.log" "$code"
-        fi
-    done
+    step serve 90 serve.log serve_once
+fi
+
+# --- the tests on the GPU -------------------------------------------------------------------
+cuda_tests() {
+    "$PYTHON" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/cuda_tests.xml" tests/test_cuda.py
+    local code=$?
+    "$PYTHON" -m benchmarks.gpu_probe --untested "$out/kernels.jsonl" "$out/cuda_tests.xml" || code=1
+    return $code
+}
+export -f cuda_tests
+if ((fake)); then
+    stub cuda "tests/test_cuda.py skips without a GPU; its untested-kernel check is tested in make test"
+else
+    step cuda 180 cuda_tests.log cuda_tests
+fi
+
+# --- the paper's experiments ----------------------------------------------------------------
+if ((fake)); then # the shapes are the paper's, the sizes tiny: on fake tensors only the logic runs
+    decode_args=(--context 512 --batches 1 2 --repeats 1 --attention-only)
+    prefill_args=(--gpu-contexts 512 --repeats 1 --attention-only)
+else
+    decode_args=(--batches 1 4 16 32 --repeats 10 --steps 8 --model synthetic:paper)
+    prefill_args=(--gpu-contexts 4096 16384 --repeats 3 --rounds 1 --model synthetic:paper)
+fi
+step decode 150 decode.log $GPU_PYTHON -m paper_repro.decode --out "$results_folder" "${decode_args[@]}"
+step prefill 120 prefill.log $GPU_PYTHON -m paper_repro.prefill --out "$results_folder" "${prefill_args[@]}"
+
+# --- while time remains ---------------------------------------------------------------------
+if ((fake)); then
+    stub fake "make test runs them"
+    stub allocation "times the driver's calls"
+    stub hiding "times the driver's calls"
+else
+    fake_tests=(tests/test_cuda_fake.py tests/test_fake_cuda_bites.py tests/test_cuda_dry_run.py tests/test_torch_flash_attn.py)
+    step fake 90 fake_tests.log "$PYTHON" -m pytest -q -p no:cacheprovider -m "not needs_model" "${fake_tests[@]}"
+    step allocation 90 allocation.log "$PYTHON" -m paper_repro.gpu_allocation --out "$results_folder"
+    step hiding 90 hiding.log "$PYTHON" -m paper_repro.latency_hiding --backend cuda --out "$results_folder"
 fi
 finish

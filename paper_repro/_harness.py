@@ -65,6 +65,8 @@ class Variant:
 
 
 CUDA_VARIANTS = (
+    Variant("virtual", "torch_flash_attn", family="torch_flash_attn"),
+    Variant("paged", "paged_torch_flash_attn", 256, family="torch_flash_attn"),
     Variant("virtual", "flash_attn", family="flash_attn"),
     Variant("paged", "paged_flash_attn", 256, family="flash_attn"),
     Variant("virtual", "flashinfer_paged", family="flashinfer"),
@@ -72,8 +74,10 @@ CUDA_VARIANTS = (
     Variant("virtual", "sdpa", family="sdpa"),
     Variant("paged", "paged_gather", 16, family="sdpa"),
 )
-"""On a GPU, each kernel family on either cache; flash-attn's paged path needs blocks of 256.
-torch's SDPA, which needs no library, reads a paged cache only through a gather of its blocks."""
+"""On a GPU, each kernel family on either cache: FlashAttention 2 as torch ships it (the paper's
+comparison kernel for kernel, nothing to install) and as flash-attn does, whose paged paths need
+blocks of 256; FlashInfer; torch's SDPA, which reads a paged cache only through a gather of its
+blocks."""
 UNAVAILABLE = (UnavailableError, ImportError)
 """What a variant raises when its library or device is not here: it is skipped, with the reason."""
 
@@ -94,9 +98,11 @@ def model_dtype() -> str:
     return "bfloat16" if on_gpu() else "float32"
 
 
-def make_llm(variant: Variant, **sizes: Any) -> LLM:
-    """The default model's engine on the variant's cache and kernel, on the GPU if there is one."""
+def make_llm(variant: Variant, model: str | None = None, **sizes: Any) -> LLM:
+    """`model`'s engine (the default model's if None) on the variant's cache and kernel, on the
+    GPU if there is one."""
     return LLM(
+        model,
         dtype=model_dtype(),
         kv_cache=variant.cache,
         kernel=variant.kernel,

@@ -93,14 +93,16 @@ def decode_step_seconds(llm: LLM, batch: int, context: int, steps: int) -> float
     return seconds
 
 
-def model_rows(variants: Sequence[Variant], batches: list[int], context: int, steps: int) -> list[dict[str, Any]]:
+def model_rows(
+    variants: Sequence[Variant], batches: list[int], context: int, steps: int, model: str | None
+) -> list[dict[str, Any]]:
     def decode_step(llm: LLM, point: dict[str, Any]) -> dict[str, Any]:
         seconds = decode_step_seconds(llm, point["batch"], context, steps)
         return {"ms": 1000 * seconds, "tokens_per_s": point["batch"] / seconds}
 
-    sizes = {"max_slots": max(batches), "max_context": context + steps + 8, "kv_budget": 2 << 30}
+    sizes = {"model": model, "max_slots": max(batches), "max_context": context + steps + 8, "kv_budget": 2 << 30}
     points = [{"batch": batch} for batch in batches]
-    keys = {"table": "model", "model": DEFAULT_MODEL.name, "context": context}
+    keys = {"table": "model", "model": model or DEFAULT_MODEL.name, "context": context}
     rows = []
     for variant in tqdm(variants, desc="decode model"):  # each built and measured under its own guard
         rows += engine_rows(variant, sizes, points, decode_step, **keys)
@@ -115,8 +117,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model-context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="of the attention table")
+    parser.add_argument("--model", help="the model table's model (default: the default model), e.g. synthetic:paper")
+    parser.add_argument("--attention-only", action="store_true", help="no model table")
     args = parser.parse_args(argv)
-    batches, model_batches = [1, 2, 4, 8, 16, 32], [1, 8, 32]
+    batches, model_batches = args.batches, [1, 8, 32]
     if on_gpu():
         variants, model_variants, shape = CUDA_VARIANTS, CUDA_VARIANTS, PAPER_MODELS[1]
     else:
@@ -124,8 +129,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     context = args.context or (16384 if on_gpu() else 4096)
     if args.quick:
         batches, model_batches, context, args.model_context, args.repeats, args.steps = [1, 2], [2], 64, 32, 1, 1
+    if args.attention_only:
+        model_variants = ()
     rows = attention_rows(variants, shape, batches, context, args.repeats) + model_rows(
-        model_variants, model_batches, args.model_context, args.steps
+        model_variants, model_batches, args.model_context, args.steps, args.model
     )
     csv_path, json_path, png_path = write_results(
         args.out,
@@ -143,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ]
     ok = [r for r in rows if r["status"] == "ok"]
     print_table([r for r in ok if r["table"] == "attention"], columns, f"decode attention, one layer of {shape.name}")
-    print_table([r for r in ok if r["table"] == "model"], columns, "decode steps, the default model")
+    print_table([r for r in ok if r["table"] == "model"], columns, f"decode steps, {args.model or 'the default model'}")
     plot(rows, png_path)
     report_unmeasured(rows)
     print(f"\nwrote {csv_path}, {json_path}, {png_path}")

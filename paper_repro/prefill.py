@@ -64,7 +64,9 @@ def attention_rows(
     return with_ratio(rows, ("model", "context"), "ms")
 
 
-def model_rows(variants: Sequence[Variant], contexts: list[int], rounds: int) -> list[dict[str, Any]]:
+def model_rows(
+    variants: Sequence[Variant], contexts: list[int], rounds: int, model: str | None
+) -> list[dict[str, Any]]:
     def first_token(llm: LLM, point: dict[str, Any]) -> dict[str, Any]:
         context = point["context"]
         generator = torch.Generator().manual_seed(context)
@@ -76,11 +78,11 @@ def model_rows(variants: Sequence[Variant], contexts: list[int], rounds: int) ->
             best = min(best, time.perf_counter() - start)
         return {"ms": 1000 * best, "tokens_per_s": context / best}
 
-    sizes = {"max_slots": 2, "max_context": max(contexts) + 8, "kv_budget": 512 << 20}
+    sizes = {"model": model, "max_slots": 2, "max_context": max(contexts) + 8, "kv_budget": 512 << 20}
     points = [{"context": context} for context in contexts]
     rows = []
     for variant in tqdm(variants, desc="prefill model"):  # each built and measured under its own guard
-        rows += engine_rows(variant, sizes, points, first_token, table="model", model=DEFAULT_MODEL.name)
+        rows += engine_rows(variant, sizes, points, first_token, table="model", model=model or DEFAULT_MODEL.name)
     return with_ratio(rows, ("model", "context"), "ms")
 
 
@@ -90,10 +92,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=results_dir(), help="results folder")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--model", help="the model table's model (default: the default model), e.g. synthetic:paper")
+    parser.add_argument("--attention-only", action="store_true", help="no model table")
+    parser.add_argument("--gpu-contexts", type=int, nargs="+", default=[4096, 16384, 65536], help="on a GPU")
     args = parser.parse_args(argv)
     if on_gpu():
         variants, model_variants = CUDA_VARIANTS, CUDA_VARIANTS
-        shapes = [(m, n) for m in PAPER_MODELS for n in (4096, 16384, 65536)]
+        shapes = [(m, n) for m in PAPER_MODELS for n in args.gpu_contexts]
         contexts = [1024, 2048, 4096, 8000]
     else:
         variants, model_variants = CPU_VARIANTS, CPU_MODEL_VARIANTS
@@ -101,7 +106,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         contexts = [1024, 2048, 4096]
     if args.quick:
         shapes, contexts, args.repeats, args.rounds = [(DEFAULT_MODEL, 256)], [128], 1, 1
-    rows = attention_rows(variants, shapes, args.repeats) + model_rows(model_variants, contexts, args.rounds)
+    if args.attention_only:
+        model_variants = ()
+    rows = attention_rows(variants, shapes, args.repeats) + model_rows(
+        model_variants, contexts, args.rounds, args.model
+    )
     csv_path, json_path, png_path = write_results(
         args.out,
         "prefill",
@@ -118,17 +127,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     ]
     ok = [r for r in rows if r["status"] == "ok"]
     print_table([r for r in ok if r["table"] == "attention"], columns, "prefill attention, one layer, batch 1")
-    print_table([r for r in ok if r["table"] == "model"], columns, "time to first token, the default model")
-    plot(rows, png_path)
+    model = args.model or DEFAULT_MODEL.name
+    print_table([r for r in ok if r["table"] == "model"], columns, f"time to first token, {model}")
+    plot(rows, png_path, model)
     report_unmeasured(rows)
     print(f"\nwrote {csv_path}, {json_path}, {png_path}")
 
 
-def plot(rows: list[dict[str, Any]], path: Any) -> None:
+def plot(rows: list[dict[str, Any]], path: Any, model_name: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     shown = PAPER_MODELS[1].name if on_gpu() else DEFAULT_MODEL.name  # the attention panel's model
     for axis, table in ((left, "attention"), (right, "model")):
-        model = shown if table == "attention" else DEFAULT_MODEL.name
+        model = shown if table == "attention" else model_name
         chosen = [r for r in rows if r["status"] == "ok" and r["table"] == table and r["model"] == model]
         for variant in dict.fromkeys(r["variant"] for r in chosen):
             points = [r for r in chosen if r["variant"] == variant]
