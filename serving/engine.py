@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -23,7 +24,6 @@ from serving.config import EngineConfig
 from serving.default_model import ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
 from serving.executor import ModelExecutor
-from serving.kv_events import kv_event_publisher
 from serving.kv_store import KVStore, make_kv_store
 from serving.model_loader import load_model, model_shape, return_freed_memory
 from serving.outputs import RequestOutput, StreamDelta
@@ -41,6 +41,9 @@ from serving.scheduler import Scheduler, assign_fork_parents
 from serving.stop_strings import find_stop, held_back
 from serving.structured_output import GrammarCompiler, GrammarError, advance
 from vattn import CacheStats
+
+if TYPE_CHECKING:
+    from serving.kv_events import KVEventPublisher
 
 log = logging.getLogger("vattn.engine")
 
@@ -66,6 +69,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
+        if config.kv_events_endpoint is not None:  # msgspec and pyzmq: imported only when asked for, before the model
+            from serving.kv_events import kv_event_publisher
         path = config.model or ensure_default_model()
         model, self.tokenizer = load_model(path, config.torch_dtype, gguf_weights=config.quantization == "gguf")
         shape = model_shape(model)
@@ -99,7 +104,9 @@ class LLMEngine:
         return_freed_memory()
         self._changed: dict[Request, None] = {}
         """Requests that moved since the last step() returned (ordered, no repeats)."""
-        self._kv_events = kv_event_publisher(config)
+        self._kv_events: KVEventPublisher | None = (
+            kv_event_publisher(config) if config.kv_events_endpoint is not None else None
+        )
         """Publishes the prefix cache's changes after each step (vLLM's KV events), if configured."""
 
     # ------------------------------------------------------------------ requests

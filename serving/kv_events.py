@@ -23,8 +23,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-import zmq
+try:
+    import msgspec
+    import zmq
+except ImportError as missing:
+    package = "pyzmq" if missing.name == "zmq" else missing.name
+    raise ModuleNotFoundError(
+        f"KV events (kv_events_endpoint) need the {package} package, which is not installed here: "
+        "pip install msgspec pyzmq",
+        name=missing.name,
+    ) from missing
 
 from serving.config import EngineConfig
 from vattn.prefix_cache import CacheCleared, CacheEvent, UnitsRemoved, UnitsStored
@@ -175,9 +183,8 @@ def _attach(sock: zmq.Socket, endpoint: str) -> None:  # type: ignore[type-arg]
         sock.connect(endpoint)
 
 
-def kv_event_publisher(config: EngineConfig) -> KVEventPublisher | None:
-    """The engine's publisher when `kv_events_endpoint` is set."""
-    if config.kv_events_endpoint is None:
-        return None
+def kv_event_publisher(config: EngineConfig) -> KVEventPublisher:
+    """The engine's publisher to `kv_events_endpoint` (set)."""
+    assert config.kv_events_endpoint is not None
     events = KVEventsConfig(config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_topic)
     return KVEventPublisher(events, medium="GPU" if config.backend == "cuda" else "CPU")
