@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from vattn import ConfigurationError, KVCache
+from tests.fake_cuda import FakeDriver, installed
+from tests.process_memory import release_memory
+from vattn import ConfigurationError, KVCache, KVCacheConfig
+from vattn.config import GPU_KERNEL_PAGE_TOKENS
 from vattn.gpu_kernels import (
     FlashInferPlans,
     decode_uses_tensor_cores,
@@ -17,6 +21,15 @@ from vattn.gpu_kernels import (
     require_half_precision,
     slot_pages,
 )
+from vattn.sizes import KiB, MiB
+
+H100_PAGE = 2 * MiB
+"""CUDA's allocation granularity on an H100: the page size of a cache on a GPU."""
+DEFAULT_MODEL = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}
+"""The default model's KV shape: 16 tokens of one layer are 6,144 B in bfloat16, which no power
+of two divides."""
+PAPER_MODEL = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}
+"""The paper's (Llama-3-8B's) KV shape."""
 
 
 @pytest.mark.parametrize("layout", ["per_layer", "mega"])
@@ -36,6 +49,111 @@ def test_slot_pages_are_views_of_each_slots_tokens(make_cache: Callable[..., KVC
     for i, reqid in enumerate(reqids):  # token by token: past a request's length may be unmapped
         mine = torch.tensor(indices[indptr[i] : indptr[i + 1]])
         assert torch.equal(pages[mine[tokens // 16], tokens % 16], cache.kv(1, reqid)[0])
+
+
+@pytest.mark.parametrize("page_size", [4 * KiB, 64 * KiB, H100_PAGE])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int8"])
+@pytest.mark.parametrize("layout", ["per_layer", "mega"])
+@pytest.mark.parametrize(
+    "shape",
+    [DEFAULT_MODEL, PAPER_MODEL, {"num_layers": 7, "num_kv_heads": 5, "head_dim": 12}],
+    ids=["default", "paper", "odd"],
+)
+def test_slot_strides_are_whole_gpu_kernel_pages_and_whole_pages(
+    shape: dict[str, int], layout: str, dtype: str, page_size: int
+) -> None:
+    """The fewest bytes that are whole pages, whole 16-token rows and at least the slot's pages."""
+    for max_context in (1, 1000, 2048, 4096):
+        config = KVCacheConfig(
+            **shape, max_slots=2, max_context=max_context, dtype=dtype, layout=layout, page_size=page_size
+        )
+        kernel_page = GPU_KERNEL_PAGE_TOKENS * config.bytes_per_token
+        unit = math.lcm(page_size, kernel_page)
+        assert config.slot_stride % unit == 0
+        assert config.slot_pages * page_size <= config.slot_stride < config.slot_pages * page_size + unit
+        slot, token, *_ = config.tensor_strides  # in elements: a token row is a whole number of them
+        assert token * config.element_size == config.bytes_per_token
+        assert slot % (GPU_KERNEL_PAGE_TOKENS * token) == 0
+        assert config.reservation_bytes == config.max_slots * config.slot_stride
+        assert config.page_offset(1, config.slot_pages - 1) + page_size <= 2 * config.slot_stride  # inside slot 1
+
+
+@pytest.fixture(params=["host", "fakecuda"])
+def make_h100_cache(request: pytest.FixtureRequest) -> Iterator[Callable[..., KVCache]]:
+    """Builds caches with 2 MiB pages: on the host backend, or on the CUDA backend over the fake
+    driver with an H100's granularity (host memory behind it, so the tensors hold data); closes
+    them after the test, and checks the fake driver for leaks once the test's views are gone."""
+    caches: list[KVCache] = []
+
+    def make(**fields: Any) -> KVCache:
+        backend = "host" if request.param == "host" else "cuda"
+        caches.append(KVCache(KVCacheConfig(**fields, page_size=H100_PAGE, backend=backend, background=False)))
+        return caches[-1]
+
+    if request.param == "host":
+        yield make
+        for cache in caches:
+            cache.close()
+        return
+    with installed(FakeDriver(granularity=H100_PAGE, memory=1 << 40)) as driver:
+        yield make
+        for cache in caches:
+            cache.close()
+        caches.clear()
+        release_memory()
+    assert not driver.violations, driver.violations
+    assert not driver.leaks(), driver.leaks()
+
+
+def token_rows(cache: KVCache, layer: int, kv: int, reqid: int, length: int) -> torch.Tensor:
+    """What the test writes to a request's K (kv=0) or V (kv=1) in a layer: its own random rows."""
+    cfg = cache.config
+    generator = torch.Generator().manual_seed(((layer * 2 + kv) * cfg.max_slots + reqid) * 7919 + length)
+    return torch.randn(length, cfg.num_kv_heads, cfg.head_dim, generator=generator).to(cfg.dtype)
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "mega"])
+@pytest.mark.parametrize(
+    ("shape", "dtype", "max_context"),
+    [
+        (DEFAULT_MODEL, "bfloat16", 2048),
+        (DEFAULT_MODEL, "bfloat16", 8192),
+        (PAPER_MODEL, "bfloat16", 4096),
+        (PAPER_MODEL, "float16", 4096),
+        (PAPER_MODEL, "bfloat16", 32768),
+        (PAPER_MODEL, "float16", 32768),
+    ],
+    ids=["default-bf16-2k", "default-bf16-8k", "paper-bf16-4k", "paper-fp16-4k", "paper-bf16-32k", "paper-fp16-32k"],
+)
+def test_flashinfer_pages_every_layer_of_a_cache_with_2mib_pages(
+    make_h100_cache: Callable[..., KVCache], shape: dict[str, int], dtype: str, max_context: int, layout: str
+) -> None:
+    """At a GPU's page size, every layer's K and V is seen as 16-token pages (flashinfer_paged's
+    check at start), and each request's page table reads its own tokens: two short requests, and
+    at the last slot one that runs past its first page group where the context allows."""
+    cache = make_h100_cache(**shape, dtype=dtype, max_slots=3, max_context=max_context, layout=layout)
+    cfg = cache.config
+    reqids = tuple(cache.alloc_reqid() for _ in range(cfg.max_slots))
+    lengths = (3, 17, min(max_context, cfg.tokens_in(1) + 5))
+    cache.step(dict(zip(reqids, lengths, strict=True)))
+    for layer in range(cfg.num_layers):
+        for reqid, length in zip(reqids, lengths, strict=True):
+            for kv, rows in enumerate(cache.kv(layer, reqid)):
+                rows.copy_(token_rows(cache, layer, kv, reqid, length))
+    for layer in range(cfg.num_layers):
+        for kv, tensor in enumerate(cache.layer_tensors(layer)):
+            try:
+                pages, per_slot = slot_pages(tensor, GPU_KERNEL_PAGE_TOKENS)
+            except ValueError as refusal:  # no traceback: it would print the tensor, unmapped pages and all
+                pytest.fail(f"layer {layer}'s {'KV'[kv]}: {refusal}", pytrace=False)
+            assert per_slot * GPU_KERNEL_PAGE_TOKENS * cfg.bytes_per_token == cfg.slot_stride
+            indptr, indices, last = page_table(reqids, lengths, per_slot, GPU_KERNEL_PAGE_TOKENS)
+            for i, (reqid, length) in enumerate(zip(reqids, lengths, strict=True)):
+                mine = torch.tensor(indices[indptr[i] : indptr[i + 1]])
+                tokens = torch.arange(length)
+                read = pages[mine[tokens // GPU_KERNEL_PAGE_TOKENS], tokens % GPU_KERNEL_PAGE_TOKENS]
+                assert torch.equal(read, token_rows(cache, layer, kv, reqid, length)), (layer, kv, reqid)
+                assert last[i] == length - (len(mine) - 1) * GPU_KERNEL_PAGE_TOKENS
 
 
 def test_slot_pages_refuse_what_flashinfer_cannot_address() -> None:

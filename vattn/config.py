@@ -28,6 +28,11 @@ values in each token's row of the same virtual tensor, so they are mapped, share
 leased with the values and need no page schedule of their own."""
 SCALE_BYTES = 4
 """A float32 scale per (token, kv head) in an int8 cache."""
+GPU_KERNEL_PAGE_TOKENS = 16
+"""Tokens of the pages that GPU kernels see a slot as (FlashInfer's paged wrappers, via
+`gpu_kernels.slot_pages`): every slot stride is a whole number of them in every virtual tensor,
+so slot s's page k is page `s * pages_per_slot + k` and slot s's first token row is row
+`s * rows_per_slot` (FlashAttention-2's varlen offsets)."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,8 @@ class KVCacheConfig:
     ``[max_slots, max_context, num_kv_heads, head_dim]``; ``mega`` reserves one K and one
     V ``[max_slots, max_context, num_layers, num_kv_heads, head_dim]`` and hands out
     strided per-layer views, so a request grows by 2 pages instead of 2 x layers.
-    Each slot's stride is rounded up to whole pages, so any ``max_context`` works.
+    Each slot's stride is rounded up to whole pages and whole `GPU_KERNEL_PAGE_TOKENS`-token
+    pages, so any ``max_context`` works.
     """
 
     num_layers: int
@@ -161,8 +167,12 @@ class KVCacheConfig:
 
     @cached_property
     def slot_stride(self) -> int:
-        """Bytes between two slots of a virtual tensor (whole pages)."""
-        return self.slot_pages * self.page_size
+        """Bytes between two slots of a virtual tensor: at least `slot_pages` pages, rounded up to a
+        common multiple of the page size and of `GPU_KERNEL_PAGE_TOKENS` token rows (a token's row
+        is `bytes_per_token` apart in both layouts). Address space only: past `slot_pages`, nothing
+        is ever mapped."""
+        unit = math.lcm(self.page_size, GPU_KERNEL_PAGE_TOKENS * self.bytes_per_token)
+        return -(-self.slot_pages * self.page_size // unit) * unit
 
     @cached_property
     def reservation_bytes(self) -> int:
