@@ -14,7 +14,7 @@ NATIVE := vattn/libvattn_native.so
 OPS := vattn/libvattn_ops.so
 FAKE_CUDA := build/libfakecuda.so
 
-.PHONY: setup native model serve test fuzz lint bench repro clean router router-smg peers peer-vllm peer-llamacpp peer-llamacpp-avx2 peer-hf \
+.PHONY: setup native model serve test fuzz lint bench repro gpu-wheels clean router router-smg peers peer-vllm peer-llamacpp peer-llamacpp-avx2 peer-hf \
 	peer-openvino
 
 # After the venv, the libraries and the model are independent: built two at a time.
@@ -91,6 +91,18 @@ bench: setup
 # The paper's experiments on this machine (paper_repro/results/<device>/).
 repro: setup
 	$(PY) -m paper_repro
+
+# The Python packages `vattn serve` needs that the lent GPU machine's image lacks (it has torch,
+# transformers, tokenizers, cuda-bindings), as CPython 3.12 x86-64 wheels in .whl/ (about 7 MiB),
+# at the versions this venv tests; benchmarks/gpu_suite.sh installs them there with --no-index.
+GPU_WHEELS := fastapi starlette pydantic pydantic-core annotated-types annotated-doc typing-inspection \
+	typing-extensions uvicorn llguidance msgspec pyzmq
+GPU_PLATFORMS := $(foreach n,17 24 26 27 28 31 34 35,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
+gpu-wheels: $(STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS) -d .whl $$($(PY) -m pip list --format=freeze | grep -iE '^($(subst -,[-_],$(subst $(eval) ,|,$(GPU_WHEELS))))==')
+	@ls .whl | wc -l | xargs echo "wheels in .whl/:"; du -sh .whl
 
 clean:
 	rm -rf $(VENV) $(NATIVE) $(OPS) $(FAKE_CUDA) build/ops .pytest_cache

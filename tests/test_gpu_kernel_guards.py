@@ -160,6 +160,9 @@ def test_slot_pages_refuse_what_flashinfer_cannot_address() -> None:
     odd = torch.empty_strided((2, 40, 2, 16), (40 * 32, 32, 16, 1), device="meta")
     with pytest.raises(ValueError, match="multiple of 16"):
         slot_pages(odd, 16)
+    strided = torch.empty_strided((2, 32, 2, 16), (40 * 32, 32, 16, 1), device="meta")
+    with pytest.raises(ValueError, match=r"not a whole number of 16-token pages .* not laid out by one"):
+        slot_pages(strided, 16)
     huge = torch.empty_strided((2, 32, 2, 16), (2**40, 2**28, 16, 1), device="meta")
     with pytest.raises(ValueError, match="page stride is 32-bit"):
         slot_pages(huge, 16)

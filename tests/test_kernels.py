@@ -171,7 +171,9 @@ def test_forward_checks_shapes_dtype_and_device(make_cache: MakeCache) -> None:
 
 def test_kernel_names_and_head_counts(make_cache: MakeCache) -> None:
     cache = make_cache()
-    with pytest.raises(ValueError, match="unknown attention kernel 'nope'; available: sdpa, ragged, flash_attn"):
+    with pytest.raises(
+        ValueError, match="unknown attention kernel 'nope'; available: sdpa, ragged, torch_flash_attn, flash_attn"
+    ):
         make_kernel("nope", cache, 4)
     with pytest.raises(ValueError, match="positive multiple of num_kv_heads"):
         make_kernel("sdpa", cache, 3)

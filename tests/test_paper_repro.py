@@ -38,7 +38,7 @@ def test_a_variant_that_fails_while_measured_costs_only_its_own_rows(monkeypatch
 
     monkeypatch.setattr(decode, "decode_step_seconds", failing_at_batch_2_on_ragged)
     variants = [Variant("virtual", "ragged"), Variant("virtual", "no_such_kernel"), Variant("paged", "paged", 16)]
-    rows = decode.model_rows(variants, batches=[1, 2], context=32, steps=2)
+    rows = decode.model_rows(variants, batches=[1, 2], context=32, steps=2, model=None)
     assert {(r["variant"], r["batch"]): r["status"] for r in rows} == {
         ("virtual/ragged", 1): "ok",
         ("virtual/ragged", 2): "failed",

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from vattn.attention import AttentionBatch, AttentionKernel
+from vattn.config import GPU_KERNEL_PAGE_TOKENS
 from vattn.errors import ConfigurationError, UnavailableError
 from vattn.kv_cache import KVCache
 from vattn.sizes import MiB
@@ -38,9 +39,6 @@ VARLEN_ARGUMENTS = ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "is_causal", "sc
 PAGED_ARGUMENTS = (*VARLEN_ARGUMENTS, "block_table")
 
 FLASHINFER_WORKSPACE_BYTES = 128 * MiB
-FLASHINFER_PAGE_TOKENS = 16
-"""Tokens per page FlashInfer sees a slot as: its decode scheduler splits a request's KV only
-at page boundaries, so one page per slot would leave one thread block per (request, head)."""
 CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 6, 8)
 """Query heads per KV head that FlashInfer's CUDA-core decode is compiled for; others take the
 tensor-core path."""
@@ -230,10 +228,15 @@ def slot_pages(keys: Tensor, page_tokens: int) -> tuple[Tensor, int]:
     stride is not a whole number of pages, or FlashInfer's 32-bit page stride cannot hold it."""
     slot_stride, token_stride, head_stride, _ = keys.stride()
     page_stride = page_tokens * token_stride
-    if keys.shape[1] % page_tokens or slot_stride % page_stride:
+    if keys.shape[1] % page_tokens:
         raise ValueError(
-            f"a slot of {keys.shape[1]} tokens (stride {slot_stride}) is not a whole number of "
-            f"{page_tokens}-token pages: use a max_context that is a multiple of {page_tokens}"
+            f"a slot of {keys.shape[1]} tokens is not a whole number of {page_tokens}-token pages: "
+            f"use a max_context that is a multiple of {page_tokens}"
+        )
+    if slot_stride % page_stride:
+        raise ValueError(
+            f"the slot stride ({slot_stride} elements) is not a whole number of {page_tokens}-token pages "
+            f"({page_stride} elements): KVCacheConfig rounds it to them, so this tensor was not laid out by one"
         )
     if page_stride >= 2**32:
         raise ValueError(
@@ -397,8 +400,10 @@ class FlashInferSingleKernel(AttentionKernel):
 
 class FlashInferPagedKernel(AttentionKernel):
     """FlashInfer's paged wrappers reading the virtual tensors as a paged cache: each slot is
-    `FLASHINFER_PAGE_TOKENS`-token pages (a strided view, no copy), a request's pages its
-    slot's first ones. One planned call per layer for the whole batch, decode or mixed."""
+    `GPU_KERNEL_PAGE_TOKENS`-token pages (a strided view, no copy), a request's pages its
+    slot's first ones. One planned call per layer for the whole batch, decode or mixed. Pages
+    of 16 rather than one per slot: FlashInfer's decode scheduler splits a request's KV only at
+    page boundaries, and one page per slot would leave one thread block per (request, head)."""
 
     name = "flashinfer_paged"
 
@@ -408,7 +413,7 @@ class FlashInferPagedKernel(AttentionKernel):
         require_half_precision(cache.config.dtype, self.name)
         flashinfer = import_flashinfer(self.name)  # first: a refusal's traceback then holds no view of the cache
         keys, _ = cache.layer_tensors(0)
-        _, self._pages_per_slot = slot_pages(keys, FLASHINFER_PAGE_TOKENS)  # refuses a layout it cannot page
+        _, self._pages_per_slot = slot_pages(keys, GPU_KERNEL_PAGE_TOKENS)  # refuses a layout it cannot page
         del keys
         tensor_cores = decode_uses_tensor_cores(num_query_heads, cache.config.num_kv_heads)
         with flashinfer_available(self.name):
@@ -419,7 +424,7 @@ class FlashInferPagedKernel(AttentionKernel):
         """Plans a decode and a prefill over a scratch page (building or loading their kernels:
         a failure there means unavailable), then runs them (a failure there is a fault)."""
         cfg, device = self.cache.config, self.cache.device
-        page = torch.zeros(1, FLASHINFER_PAGE_TOKENS, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
+        page = torch.zeros(1, GPU_KERNEL_PAGE_TOKENS, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
         for rows in (1, 2):
             q = torch.zeros(rows, self.num_query_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
             with flashinfer_available(self.name):
@@ -434,7 +439,7 @@ class FlashInferPagedKernel(AttentionKernel):
         def on_device(values: list[int] | tuple[int, ...]) -> Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)
 
-        shape = (self.num_query_heads, cfg.num_kv_heads, cfg.head_dim, FLASHINFER_PAGE_TOKENS)
+        shape = (self.num_query_heads, cfg.num_kv_heads, cfg.head_dim, GPU_KERNEL_PAGE_TOKENS)
         tables = (on_device(indptr), on_device(indices), on_device(last))
         if decode:
             self._plans.decode.plan(*tables, *shape, q_data_type=cfg.dtype, sm_scale=self.scale)
@@ -445,10 +450,10 @@ class FlashInferPagedKernel(AttentionKernel):
         return self._plans.planned(self._plans.prefill)
 
     def _planned(self, batch: AttentionBatch) -> AttentionBatch:
-        tables = page_table(batch.reqids, batch.lengths, self._pages_per_slot, FLASHINFER_PAGE_TOKENS)
+        tables = page_table(batch.reqids, batch.lengths, self._pages_per_slot, GPU_KERNEL_PAGE_TOKENS)
         return replace(batch, wrapper=self._plan(batch.starts, *tables, decode=batch.is_decode))
 
     def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self._store(kv, batch, k, v)
-        pages = tuple(slot_pages(tensor, FLASHINFER_PAGE_TOKENS)[0] for tensor in kv)
+        pages = tuple(slot_pages(tensor, GPU_KERNEL_PAGE_TOKENS)[0] for tensor in kv)
         return self._plans.run(batch.wrapper, q, pages)  # type: ignore[arg-type]
