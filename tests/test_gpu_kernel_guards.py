@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from tests.fake_cuda import FakeDriver, installed
+from tests.fake_gpu import FakeCudaMode, device_guard, fake_cuda_memory
 from tests.process_memory import release_memory
-from vattn import ConfigurationError, KVCache, KVCacheConfig
+from vattn import ConfigurationError, KVCache, KVCacheConfig, UnavailableError, gpu_kernels
 from vattn.config import GPU_KERNEL_PAGE_TOKENS
 from vattn.gpu_kernels import (
     FlashInferPlans,
@@ -21,6 +22,7 @@ from vattn.gpu_kernels import (
     require_half_precision,
     slot_pages,
 )
+from vattn.kernels import make_kernel
 from vattn.sizes import KiB, MiB
 
 H100_PAGE = 2 * MiB
@@ -209,3 +211,57 @@ def test_a_batch_planned_before_the_latest_plan_is_refused() -> None:
         plans.run(first, torch.zeros(1), None)
     plans.run(second, torch.zeros(1), None)
     assert (plans.decode.runs, plans.prefill.runs) == (1, 1)
+
+
+BUILD_FAILURE = RuntimeError("Ninja build failed: nvcc not found")
+DEVICE_FAULT = RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+class FaultyWrapper:
+    """A FlashInfer wrapper whose plan (where FlashInfer builds or loads its kernels) or run
+    raises `failure`, as `where` says."""
+
+    where = ""
+    failure = RuntimeError()
+
+    def __init__(self, workspace: torch.Tensor, layout: str, **options: Any) -> None:
+        pass
+
+    def plan(self, *args: Any, **options: Any) -> None:
+        if self.where == "plan":
+            raise self.failure
+
+    def run(self, q: torch.Tensor, kv: Any) -> torch.Tensor:
+        if self.where == "run":
+            raise self.failure
+        return q
+
+
+@pytest.mark.parametrize(
+    ("where", "failure", "raised"),
+    [
+        ("plan", BUILD_FAILURE, UnavailableError),
+        ("plan", ImportError("libcudart.so.13: cannot open shared object file"), UnavailableError),
+        ("plan", DEVICE_FAULT, RuntimeError),
+        ("run", DEVICE_FAULT, RuntimeError),
+        ("run", RuntimeError("q and kv must have the same dtype"), RuntimeError),
+    ],
+)
+def test_only_a_failed_build_makes_flashinfer_unavailable(
+    monkeypatch: pytest.MonkeyPatch, where: str, failure: Exception, raised: type[Exception]
+) -> None:
+    """FlashInfer (a double: the machine has none) builds its kernels when planned: a build that
+    fails is `unavailable`, but a fault while a built kernel runs at the warm-up is a failure."""
+
+    Wrapper = type("Wrapper", (FaultyWrapper,), {"where": where, "failure": failure})
+
+    library = SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=Wrapper, BatchPrefillWithPagedKVCacheWrapper=Wrapper)
+    monkeypatch.setattr(gpu_kernels, "import_flashinfer", lambda kernel: library)
+    with device_guard(), FakeCudaMode(), fake_cuda_memory():
+        config = KVCacheConfig(2, 2, 64, 2, 256, dtype="bfloat16", backend="cuda", page_size=H100_PAGE)
+        with KVCache(config) as cache:
+            with pytest.raises(raised) as caught:
+                make_kernel("flashinfer_paged", cache, 8)
+            assert (caught.type is UnavailableError) == (raised is UnavailableError)
+            assert str(failure) in str(caught.value)
+            del caught  # its traceback holds views of the cache
