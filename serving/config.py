@@ -22,7 +22,8 @@ KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "int8")
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None
-    """A safetensors folder or .gguf file; None is the default model (fetched on first use)."""
+    """A safetensors folder or .gguf file, or `synthetic:<name>` (a random-weight model built on the
+    spot, serving.synthetic_model); None is the default model (fetched on first use)."""
     dtype: str = "float32"
     max_slots: int = 64
     """Requests running at once (KV slots)."""

@@ -1,4 +1,4 @@
-"""The model itself: loading a supported checkpoint and reading the shape the KV cache needs."""
+"""The model itself: loading a checkpoint, or building a synthetic one, and reading the shape the KV cache needs."""
 
 from __future__ import annotations
 
@@ -27,10 +27,15 @@ class ModelShape:
 
 
 def load_model(path: str | Path, dtype: torch.dtype, gguf_weights: bool = False) -> tuple[Any, Any]:
-    """A causal LM and its tokenizer from a safetensors folder or a GGUF file; with
-    `gguf_weights`, its projections also carry the file's quantized weights as stored."""
+    """A causal LM and its tokenizer from a safetensors folder or a GGUF file, or built on the
+    spot for `synthetic:<name>` (serving.synthetic_model); with `gguf_weights`, a GGUF file's
+    projections also carry its quantized weights as stored."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from serving.synthetic_model import is_synthetic, load_synthetic
+
+    if is_synthetic(path):
+        return load_synthetic(path, dtype)
     folder, gguf_file = Path(path), None
     if folder.suffix == ".gguf":
         folder, gguf_file = folder.parent, folder.name
