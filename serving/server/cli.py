@@ -18,6 +18,7 @@ from serving.linear import QUANTIZATIONS
 from serving.replicas import ROUTERS, ReplicaPlan, parse_serve_args
 from serving.replicas import run as run_replicas
 from serving.server.settings import LOOPBACK_HOSTS, ServerSettings
+from serving.synthetic_model import SYNTHETIC_MODELS, is_synthetic, synthetic_spec
 from vattn.backends import BACKENDS
 from vattn.kernels import KERNELS
 from vattn.paged import PAGED_KERNELS
@@ -113,7 +114,11 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsHelpFormatter,
     )
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model (vLLM's positional form)")
-    serve.add_argument("--model", help="safetensors folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    serve.add_argument(
+        "--model",
+        help="safetensors folder, .gguf file, or synthetic:NAME, a random-weight model built on the spot (NAME: "
+        f"{', '.join(SYNTHETIC_MODELS)}) (default: SmolLM2-135M-Instruct)",
+    )
     serve.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's own)")
     serve.add_argument("--dtype", default=defaults.dtype, choices=list(MODEL_DTYPES), help="weights and KV precision")
     serve.add_argument("--host", default=server.host, help="address to bind; 0.0.0.0 exposes the server")
@@ -317,8 +322,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if getattr(args, name) not in (None, "", value):
             cli.error(f"--kv-events-config and --{name.replace('_', '-')} disagree")
         setattr(args, name, value)
-    if args.model is not None and not _is_model_path(args.model):
-        cli.error(f"model {args.model!r}: no such safetensors folder or .gguf file")
+    if args.model is not None and (problem := _model_problem(args.model)):
+        cli.error(problem)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.api_key:
         log.warning("--api-key shows in `ps` to every user of this machine: use $VATTN_API_KEY or --api-key-file")
@@ -390,9 +395,18 @@ def replicas_main(cli: argparse.ArgumentParser, args: argparse.Namespace) -> int
         sys.exit(f"vattn replicas: error: {exc}")
 
 
-def _is_model_path(model: str) -> bool:
+def _model_problem(model: str) -> str | None:
+    """Why `model` cannot be served (None: it can be loaded)."""
+    if is_synthetic(model):
+        try:
+            synthetic_spec(model)
+        except ValueError as error:
+            return str(error)
+        return None
     path = Path(model)
-    return path.is_dir() or (path.suffix == ".gguf" and path.is_file())
+    if path.is_dir() or (path.suffix == ".gguf" and path.is_file()):
+        return None
+    return f"model {model!r}: no such safetensors folder or .gguf file"
 
 
 if __name__ == "__main__":
