@@ -1,7 +1,7 @@
 """The serving engine on a CUDA device, dry: real iterations with every device tensor fake.
 
-There is no GPU here and torch is a CPU build, so the `fake_cuda` fixture stands in for one:
-a tensor put on "cuda" is a torch FakeTensor (shape, dtype and device, no data) that runs
+There is no GPU here and torch is a CPU build, so the `fake_cuda` fixture (tests/fake_gpu.py)
+stands in for one: a tensor put on "cuda" is a torch FakeTensor (shape, dtype and device, no data) that runs
 every operator's shape and device logic, and raises a device-mismatch RuntimeError where it
 meets a CPU tensor, as a GPU would; host tensors stay real. The engine is built on its real
 path (`LLMEngine(EngineConfig(backend="cuda", ...))`: model loaded on the CPU, moved to the
@@ -23,20 +23,15 @@ side hands out data-less CUDA tensors over the addresses it maps.
 
 from __future__ import annotations
 
-import ctypes
-import shutil
-import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import fields, replace
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils import _pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
@@ -44,7 +39,7 @@ from serving.executor import KVSequence, ModelExecutor
 from serving.linear import DenseLinear
 from serving.model_runner import Norm
 from serving.sampling_params import SamplingParams
-from tests.fake_cuda import FakeDriver, FakeTensorGpu, installed
+from tests.fake_gpu import FakeCudaMode, device_guard, fake_cuda_memory
 from vattn import ConfigurationError, KVCache, KVCacheConfig, UnavailableError
 from vattn.kernels import make_kernel
 from vattn.paged import PagedKVCache, PagedKVCacheConfig, make_paged_kernel
@@ -52,6 +47,8 @@ from vattn.sizes import MiB
 
 KERNELS = {"paged": "paged_gather", "virtual": "sdpa"}
 """Each cache kind's torch-SDPA kernel; `paged_gather` runs SDPA over a copy of each request's blocks."""
+FLASH_KERNELS = {"paged": "paged_torch_flash_attn", "virtual": "torch_flash_attn"}
+"""Each cache kind's FlashAttention 2 from torch (blocks of 256 on the paged cache)."""
 KV_BUDGETS = {"paged": 32 * MiB, "virtual": 512 * MiB}
 """The virtual cache's first page group maps a 2 MiB page for each of 60 tensors (30 layers' K and V)."""
 
@@ -70,94 +67,12 @@ MAX_TOKENS = 6
 TOKEN_TEXT = " ok"
 """What the substituted logits always choose."""
 
-# c10's own fake CUDA device guard (FakeGuardImpl), registered while the tests run. Indexing a
-# CUDA tensor (`t[i]`, `t[rows] = x`) takes a device guard in torch's Python bindings, even for
-# a fake tensor, and a CPU-only build has none: "PyTorch is not linked with support for cuda
-# devices". FakeTensorMode installs this guard itself (c10::impl::ensureCUDADeviceGuardSet) only
-# for CUDA builds on machines without a GPU.
-GUARD_SOURCE = r"""
-#include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <c10/core/impl/FakeGuardImpl.h>
-
-// Installs (1) or removes (0) the guard; returns whether the registry changed.
-extern "C" int fake_cuda_guard(int install) {
-  static const c10::impl::DeviceGuardImplInterface* guard = new c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>();
-  auto& slot = c10::impl::device_guard_impl_registry[static_cast<size_t>(c10::DeviceType::CUDA)];
-  const c10::impl::DeviceGuardImplInterface* expected = install ? nullptr : guard;
-  return slot.compare_exchange_strong(expected, install ? guard : nullptr);
-}
-"""
-
-
-@pytest.fixture(scope="module")
-def cuda_device_guard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A CUDA device guard for this CPU-only torch while the module runs (compiled here, ~1 s)."""
-    if torch.backends.cuda.is_built():
-        yield  # with a GPU its real guard, without one FakeTensorMode's
-        return
-    compiler = shutil.which("c++")
-    if compiler is None:
-        pytest.skip("the fake CUDA device guard needs a C++ compiler (c++)")
-    folder = tmp_path_factory.mktemp("fake_cuda_guard")
-    source, library = folder / "guard.cpp", folder / "libfake_cuda_guard.so"
-    source.write_text(GUARD_SOURCE)
-    torch_lib = Path(torch.__file__).parent / "lib"
-    subprocess.run(
-        [
-            compiler,
-            "-std=c++17",
-            "-O1",
-            "-shared",
-            "-fPIC",
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            "-isystem",
-            str(Path(torch.__file__).parent / "include"),
-            "-o",
-            str(library),
-            str(source),
-            f"-L{torch_lib}",
-            "-lc10",
-            f"-Wl,-rpath,{torch_lib}",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    guard = ctypes.CDLL(str(library)).fake_cuda_guard
-    installed = guard(1)  # else one is registered already
-    yield
-    if installed:
-        assert guard(0)
-
-
-def _is_cuda(leaf: Any) -> bool:
-    """A fake tensor, a CUDA one, or a CUDA device."""
-    if isinstance(leaf, Tensor):
-        return isinstance(leaf, FakeTensor) or leaf.device.type == "cuda"
-    return isinstance(leaf, torch.device) and leaf.type == "cuda"
-
-
-class FakeCudaMode(FakeTensorMode):
-    """FakeTensorMode for CUDA work only: an operator that reads a fake or CUDA tensor or names
-    a CUDA device runs fake (real host tensors among its inputs are converted, so a CPU/CUDA mix
-    raises a RuntimeError); every other one runs for real, so host tensors
-    (the scheduler's tables, the sampler's logits) keep their values."""
-
-    def __init__(self) -> None:
-        super().__init__(allow_non_fake_inputs=True)
-
-    def __torch_dispatch__(  # type: ignore[override]
-        self, func: Any, types: Sequence[type], args: Sequence[object] = (), kwargs: Any = None
-    ) -> object:
-        kwargs = kwargs or {}
-        if any(_is_cuda(leaf) for leaf in pytree.tree_leaves((args, kwargs))):
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        return func(*args, **kwargs)  # the mode is off while it dispatches: a real operator
-
 
 @pytest.fixture
-def fake_cuda(cuda_device_guard: None) -> FakeCudaMode:
-    """A CUDA device that holds no data, while the test is `with` it."""
-    return FakeCudaMode()
+def fake_cuda() -> Iterator[FakeCudaMode]:
+    """A CUDA device that holds no data, while the test is `with` it (tests/fake_gpu.py)."""
+    with device_guard():
+        yield FakeCudaMode()
 
 
 def engine_config(cache: str, **overrides: Any) -> EngineConfig:
@@ -246,11 +161,8 @@ def cuda_memory(cache: str) -> Iterator[None]:
     if cache != "virtual":
         yield
         return
-    driver = FakeDriver(granularity=2 * MiB, memory=4 << 30)
-    with installed(driver, FakeTensorGpu(driver)):
+    with fake_cuda_memory(4 << 30):
         yield
-    assert not driver.violations, driver.violations
-    assert not driver.leaks(), driver.leaks()
 
 
 def test_fake_device_keeps_host_tensors_and_refuses_a_mix(fake_cuda: FakeCudaMode) -> None:
@@ -265,9 +177,17 @@ def test_fake_device_keeps_host_tensors_and_refuses_a_mix(fake_cuda: FakeCudaMod
 
 
 @pytest.mark.needs_model
-def test_engine_iterations_on_cuda(fake_cuda: FakeCudaMode, cache_kind: str) -> None:
+@pytest.mark.parametrize("kernels", ["sdpa", "torch_flash_attn"])
+def test_engine_iterations_on_cuda(
+    fake_cuda: FakeCudaMode, cache_kind: str, kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With torch's FlashAttention 2 as what a CUDA build of torch says of itself on an sm90 GPU."""
+    overrides: dict[str, Any] = {}
+    if kernels == "torch_flash_attn":
+        monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+        overrides = {"kernel": FLASH_KERNELS[cache_kind], "block_size": 256}
     with fake_cuda, cuda_memory(cache_kind):
-        engine = DryRunEngine(engine_config(cache_kind))
+        engine = DryRunEngine(engine_config(cache_kind, **overrides))
         try:
             assert engine.kv.device.type == "cuda"
             for name, tensor in device_tensors(engine).items():
