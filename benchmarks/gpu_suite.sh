@@ -244,7 +244,7 @@ for _ in range(120):
         break
     except OSError:
         time.sleep(0.5)
-body = json.dumps({"model": "synthetic-tiny", "prompt": "The lighthouse keeper", "max_tokens": 16, "temperature": 0})
+body = json.dumps({"model": "synthetic:tiny", "prompt": "The lighthouse keeper", "max_tokens": 16, "temperature": 0})
 request = urllib.request.Request(f"{base}/v1/completions", body.encode(), {"Content-Type": "application/json"})
 answer = json.load(urllib.request.urlopen(request, timeout=60))
 print(json.dumps(answer, indent=1))

@@ -176,16 +176,22 @@ def test_fake_device_keeps_host_tensors_and_refuses_a_mix(fake_cuda: FakeCudaMod
             _ = device + host
 
 
-@pytest.mark.needs_model
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(None, marks=pytest.mark.needs_model, id="default-model"),
+        pytest.param("synthetic:paper", id="synthetic-paper"),  # 8 KV heads of 128, GQA: nothing to download
+    ],
+)
 @pytest.mark.parametrize("kernels", ["sdpa", "torch_flash_attn"])
 def test_engine_iterations_on_cuda(
-    fake_cuda: FakeCudaMode, cache_kind: str, kernels: str, monkeypatch: pytest.MonkeyPatch
+    fake_cuda: FakeCudaMode, cache_kind: str, kernels: str, model: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With torch's FlashAttention 2 as what a CUDA build of torch says of itself on an sm90 GPU."""
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = {"model": model}
     if kernels == "torch_flash_attn":
         monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
-        overrides = {"kernel": FLASH_KERNELS[cache_kind], "block_size": 256}
+        overrides |= {"kernel": FLASH_KERNELS[cache_kind], "block_size": 256}
     with fake_cuda, cuda_memory(cache_kind):
         engine = DryRunEngine(engine_config(cache_kind, **overrides))
         try:
