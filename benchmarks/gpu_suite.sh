@@ -15,12 +15,12 @@
 # that gets only summary.txt and gpu_results.tgz (which holds all of OUT and the results under
 # paper_repro/results/): the device tool brings back 8 files at most; PYTHON (default
 # .venv/bin/python when there is one, else python3, the GPU image's, which has torch);
-# FAKE_GPU=1.
+# WHEELS, the folder of wheels to install first (default .whl); FAKE_GPU=1.
 #
 # The steps, in the order of what they tell; each has its own limit in seconds, cut to what is
 # left of the budget, and a step with under 10 seconds left is skipped, so the run always ends
 # with its summary and tarball inside the budget:
-#   wheels 40     .whl/*.whl installed into a folder on PYTHONPATH (only when there are any)
+#   wheels 40     $WHEELS/*.whl installed into a folder on PYTHONPATH (only when there are any)
 #   build 150     vattn's native libraries, by the Makefile's rules, against $PYTHON's torch
 #   versions 30   driver, GPU, torch, CUDA, cuda-bindings, flash-attn, flashinfer, nvcc
 #   gpu           is there a GPU? (none: the suite stops here, status 0 unless a step failed)
@@ -129,10 +129,11 @@ if ! command -v "$PYTHON" >/dev/null; then
 fi
 
 # --- wheels, build, versions ----------------------------------------------------------------
-if compgen -G ".whl/*.whl" >/dev/null; then
+wheels=${WHEELS:-.whl}
+if compgen -G "$wheels/*.whl" >/dev/null; then
     site=/tmp/vattn-gpu-site
     step wheels 40 wheels.log "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --upgrade --target "$site" .whl/*.whl
+        --upgrade --target "$site" "$wheels"/*.whl
     export PYTHONPATH="$PYTHONPATH:$site"
 fi
 

@@ -28,7 +28,8 @@ STEPS = ["build", "versions", "gpu", "kernels", "model", "serve", "cuda", "decod
 def run_suite(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], list[list[str]], float]:
     """The suite's exit, its summary's lines split into (step, seconds, status...), its seconds."""
     out, send = tmp_path / "out", tmp_path / "send"
-    environment = os.environ | {"OUT": str(out), "SEND": str(send), "PYTHON": sys.executable} | env
+    environment = os.environ | {"OUT": str(out), "SEND": str(send), "PYTHON": sys.executable}
+    environment |= {"WHEELS": str(tmp_path / "no-wheels")} | env  # this venv has what they hold
     started = time.monotonic()
     done = subprocess.run(
         ["bash", "benchmarks/gpu_suite.sh"], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600
