@@ -284,7 +284,7 @@ if ((fake)); then # the shapes are the paper's, the sizes tiny: on fake tensors 
     decode_args=(--context 512 --batches 1 2 --repeats 1 --attention-only)
     prefill_args=(--gpu-contexts 512 --repeats 1 --attention-only)
 else
-    decode_args=(--batches 1 4 16 32 --repeats 10 --steps 8 --model synthetic:paper)
+    decode_args=(--batches 1 4 16 32 --repeats 10 --model synthetic:paper --model-batches 1 16 --model-context 512 --steps 8)
     prefill_args=(--gpu-contexts 4096 16384 --repeats 3 --rounds 1 --model synthetic:paper)
 fi
 step decode 150 decode.log $GPU_PYTHON -m paper_repro.decode --out "$results_folder" "${decode_args[@]}"

@@ -118,10 +118,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="of the attention table")
+    parser.add_argument("--model-batches", type=int, nargs="+", default=[1, 8, 32], help="of the model table")
     parser.add_argument("--model", help="the model table's model (default: the default model), e.g. synthetic:paper")
     parser.add_argument("--attention-only", action="store_true", help="no model table")
     args = parser.parse_args(argv)
-    batches, model_batches = args.batches, [1, 8, 32]
+    batches, model_batches = args.batches, args.model_batches
     if on_gpu():
         variants, model_variants, shape = CUDA_VARIANTS, CUDA_VARIANTS, PAPER_MODELS[1]
     else:
