@@ -316,16 +316,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "models": {},
         "failures": [],
     }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for model in args.models.split(","):
         start = time.perf_counter()
         summary, failures = check_model(model, args.device, dtypes, args.prefills.split(","), args.max_tokens)
         summary["seconds"] = round(time.perf_counter() - start, 1)
         report["models"][model] = summary
         report["failures"] += failures
+        report["ok"] = not report["failures"]
+        args.out.write_text(json.dumps(report, indent=1))  # after each model: a run cut short keeps what it did
         print(f"{model}: {len(failures)} failures in {summary['seconds']} s", flush=True)
-    report["ok"] = not report["failures"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
     for failure in report["failures"]:
         print("FAILED:", failure, file=sys.stderr)
     return 0 if report["ok"] else 1
