@@ -169,3 +169,17 @@ def test_token_rows_refuse_what_flash_attention_cannot_address() -> None:
         token_rows(torch.empty_strided((2, 32, 2, 16), (1000, 32, 16, 1), device="meta"))
     with pytest.raises(ValueError, match="32-bit and 4096 slots span"):
         token_rows(torch.empty_strided((4096, 2**20, 2, 16), (2**25, 32, 16, 1), device="meta"))
+
+
+def test_the_virtual_cache_needs_no_block_table_from_torch(on_fake_gpu: None) -> None:
+    """torch's FA2 entry point took `block_table` later than `seqused_k`: the virtual cache's call
+    never passes it, so a torch without it still runs the paper's side of the comparison."""
+    with KVCache(KVCacheConfig(2, 2, 64, 4, 1024, dtype="bfloat16", backend="cuda")) as cache:
+        kernel = make_kernel("torch_flash_attn", cache, 8)
+        reqids = [cache.alloc_reqid() for _ in LENGTHS]
+        cache.step(dict(zip(reqids, LENGTHS, strict=True)))
+        calls: list[dict[str, object]] = []
+        forward = kernel._attend._forward
+        kernel._attend._forward = lambda *args, **options: calls.append(options) or forward(*args, **options)  # type: ignore[method-assign]
+        kernel.forward(0, kernel.plan(reqids, NEW_TOKENS), *fake_qkv(8, 2, 64))
+        assert sorted(calls[0]) == ["scale", "seqused_k"]

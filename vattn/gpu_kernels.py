@@ -142,6 +142,7 @@ class TorchFlashAttention:
     def __call__(self, plan: VarlenPlan, q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         """Attention of `q` `[tokens, heads, dim]` over `keys`/`values`: `[rows, kv_heads, dim]`,
         or `[blocks, block_size, kv_heads, dim]` with the plan's block table."""
+        paged = {} if plan.block_table is None else {"block_table": plan.block_table}  # a torch may lack it
         return self._forward(
             q,
             keys,
@@ -155,7 +156,7 @@ class TorchFlashAttention:
             False,
             scale=scale,
             seqused_k=plan.used_k,
-            block_table=plan.block_table,
+            **paged,
         )[0]
 
 
