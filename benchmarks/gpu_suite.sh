@@ -44,9 +44,13 @@ started=$SECONDS
 budget=${SUITE_SECONDS:-540}
 root=$PWD
 out="${OUT:-$root/gpu-out}"
-rm -rf "$out"
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
+if [[ $out == / || $out == "$root" || $out == "$HOME" ]]; then
+    echo "OUT=$out would be emptied: name a folder of its own" >&2
+    exit 2
+fi
+rm -rf "${out:?}"/* # a fresh summary and logs
 : >"$out/summary.txt"
 export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ -z "${PYTHON:-}" ]]; then
@@ -130,7 +134,9 @@ fi
 
 # --- wheels, build, versions ----------------------------------------------------------------
 wheels=${WHEELS:-.whl}
-if compgen -G "$wheels/*.whl" >/dev/null; then
+if ((fake)) && compgen -G "$wheels/*.whl" >/dev/null; then
+    stub wheels "they are built for the GPU image's Python (make gpu-wheels: CPython 3.12)"
+elif compgen -G "$wheels/*.whl" >/dev/null; then
     site=/tmp/vattn-gpu-site
     step wheels 40 wheels.log "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --upgrade --target "$site" "$wheels"/*.whl
