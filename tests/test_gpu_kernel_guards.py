@@ -265,3 +265,24 @@ def test_only_a_failed_build_makes_flashinfer_unavailable(
             assert (caught.type is UnavailableError) == (raised is UnavailableError)
             assert str(failure) in str(caught.value)
             del caught  # its traceback holds views of the cache
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "mega"])
+@pytest.mark.parametrize("shape", [DEFAULT_MODEL, {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}])
+def test_flashinfer_paged_is_made_for_the_default_model_and_the_papers_at_2mib(
+    monkeypatch: pytest.MonkeyPatch, shape: dict[str, int], layout: str
+) -> None:
+    """The construction that refused the default model's shape on an H100, with FlashInfer as a
+    double that plans and runs (the machine has none)."""
+    library = SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=FaultyWrapper, BatchPrefillWithPagedKVCacheWrapper=FaultyWrapper
+    )
+    monkeypatch.setattr(gpu_kernels, "import_flashinfer", lambda kernel: library)
+    with device_guard(), FakeCudaMode(), fake_cuda_memory():
+        config = KVCacheConfig(**shape, max_slots=4, max_context=2048, dtype="bfloat16", backend="cuda", layout=layout)
+        with KVCache(config) as cache:
+            assert cache.config.page_size == H100_PAGE
+            kernel = make_kernel("flashinfer_paged", cache, 3 * shape["num_kv_heads"])
+            reqids = [cache.alloc_reqid() for _ in range(2)]
+            cache.step({reqids[0]: 100, reqids[1]: 7})
+            assert kernel.plan(reqids, [1, 7]).wrapper.generation == kernel._plans.latest
