@@ -23,6 +23,7 @@ import httpx
 import numpy as np
 import torch
 
+from measure import onednn
 from serving.linear import cpu_flags, cpu_kernels
 from vattn.sizes import KiB, MiB
 
@@ -57,7 +58,7 @@ def _git_commit() -> str | None:
 def _git_dirty() -> bool | None:
     try:
         out = subprocess.run(
-            ["git", "status", "--porcelain", "--", "vattn", "native"],
+            ["git", "status", "--porcelain", "--", "vattn", "native", "serving", "benchmarks", "measure"],
             cwd=REPO_ROOT,
             capture_output=True,
             text=True,
@@ -100,7 +101,8 @@ ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTI
 
 
 def machine_facts() -> dict[str, Any]:
-    """os.uname(), core counts, CPU flags, memory, versions and the run's date."""
+    """os.uname(), core counts, CPU flags, the oneDNN ISA and kernels vattn's projections run on
+    (measure.onednn), memory, versions and the run's date."""
     uname = os.uname()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -118,6 +120,7 @@ def machine_facts() -> dict[str, Any]:
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "vattn_kernels": cpu_kernels(),
         "isa_limits": {name: os.environ[name] for name in ISA_LIMITS if name in os.environ},
+        "onednn": onednn.facts(),
         "mem_total_bytes": _mem_total_bytes(),
         "page_size_os": os.sysconf("SC_PAGE_SIZE"),
         "max_map_count": int(Path("/proc/sys/vm/max_map_count").read_text()),
@@ -127,7 +130,7 @@ def machine_facts() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "numpy": np.__version__,
         "git_commit": _git_commit(),
-        "git_vattn_dirty": _git_dirty(),
+        "git_dirty": _git_dirty(),  # the measured code (vattn, native, serving, benchmarks, measure) had changes
     }
 
 

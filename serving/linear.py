@@ -1,11 +1,12 @@
 """The model's matrix multiplies: weights as loaded, in bf16, or in int8.
 
-- `none`: weights as loaded; float32 on the CPU runs on oneDNN's matmul with each weight
-  packed once for it (DenseLinear), about 2x torch's F.linear (MKL) on this AMD CPU.
-- `bf16`: weights stored in bfloat16 and multiplied in bf16 (fp32 accumulation), the
-  activations converted per call; half of fp32's weight bytes, and on CPUs with
-  AVX-512 BF16 about twice fp32's speed. The rest of the model (norms, attention, KV,
-  logits) stays in the model's dtype.
+- `none`: weights as loaded; float32, and bfloat16 where oneDNN runs it natively (AVX-512
+  BF16 or AMX), run on the CPU on oneDNN's matmul with each weight packed once for it in
+  oneDNN's blocked layout (DenseLinear), about 2x torch's F.linear (MKL) on this AMD CPU.
+- `bf16`: weights stored in bfloat16, packed for oneDNN the same way, and multiplied in bf16
+  (fp32 accumulation), the activations converted per call; half of fp32's weight bytes, and
+  on CPUs with AVX-512 BF16 about twice fp32's speed (AMX: oneDNN's AMX kernels). The rest of
+  the model (norms, attention, KV, logits) stays in the model's dtype.
 - `int8`: weights as symmetric int8 with one scale per output channel, activations
   quantized per row as each call runs, multiplied in int8 (`vattn::int8_linear`, which
   uses torch's `_int_mm`). A quarter of fp32's weight bytes. Fast only where `_int_mm` is
@@ -108,16 +109,26 @@ class Linear(Protocol):
     def __call__(self, x: Tensor) -> Tensor: ...
 
 
+def onednn_packs(weight: Tensor) -> bool:
+    """Whether oneDNN's matmul takes this weight packed: on the CPU, float32, or bfloat16 where
+    oneDNN has native bf16 kernels (AVX-512 BF16, AMX; torch's own check)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (
+        weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
 class DenseLinear:
-    """Weights as loaded. A float32 projection on the CPU runs on oneDNN's matmul with its
-    weight packed once for it (`mkldnn._linear_pointwise`, as vLLM's CPU build does): torch's
-    F.linear goes through MKL, which takes slower paths on non-Intel CPUs. Elsewhere F.linear."""
+    """Weights as loaded. A projection oneDNN takes (`onednn_packs`) runs on its matmul with the
+    weight packed once for it in oneDNN's blocked layout (`mkldnn._linear_pointwise`, as vLLM's
+    CPU build and OpenVINO do; on AMX, oneDNN's AMX kernels): torch's F.linear goes through MKL,
+    which takes slower paths on non-Intel CPUs, and re-lays a bf16 weight out on every call
+    (2.3-3x slower for one row here, 1.1-1.3x for 256). Elsewhere F.linear."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         self.bias = bias
-        self.packed = (
-            weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-        )
+        self.packed = onednn_packs(weight)
         # Packed, the weight is oneDNN's own copy (the loaded one is not kept beside it).
         self.weight = (
             torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_BATCH_HINT) if self.packed else weight.contiguous()
@@ -130,12 +141,15 @@ class DenseLinear:
 
 
 class Bf16Linear:
+    """A float model's projection in bfloat16: the weight stored (and packed, DenseLinear) in
+    bf16, the activations converted to bf16 and back around each call."""
+
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
-        self.weight = weight.detach().to(torch.bfloat16).contiguous()
-        self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
+        bias_bf16 = None if bias is None else bias.detach().to(torch.bfloat16)
+        self.linear = DenseLinear(weight.detach().to(torch.bfloat16), bias_bf16)
 
     def __call__(self, x: Tensor) -> Tensor:
-        return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+        return self.linear(x.to(torch.bfloat16)).to(x.dtype)
 
 
 class Int8Linear:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -70,6 +71,22 @@ def test_float32_projections_run_on_onednn_packed_weights() -> None:
     for shape in [(0, 96), (1, 96), (16, 96), (100, 96), (2, 3, 96)]:
         x = torch.randn(shape)
         torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no native bf16 here")
+def test_bfloat16_projections_run_on_onednn_packed_weights() -> None:
+    """A bf16 model's projections and the bf16 preset's: the weight packed once for oneDNN's bf16
+    matmul (AVX-512 BF16, AMX), F.linear's product in bf16 (to bf16's rounding: the sums may
+    run in another order)."""
+    weight, bias = torch.randn(48, 96), torch.randn(48)
+    dense = make_linear(weight.to(torch.bfloat16), bias.to(torch.bfloat16), "none")
+    preset = make_linear(weight, bias, "bf16")
+    assert dense.weight.is_mkldnn and preset.linear.weight.is_mkldnn  # type: ignore[attr-defined]
+    for shape in [(0, 96), (1, 96), (16, 96), (100, 96), (2, 3, 96)]:
+        x = torch.randn(shape)
+        expected = torch.nn.functional.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16), bias.to(torch.bfloat16))
+        torch.testing.assert_close(dense(x.to(torch.bfloat16)), expected)
+        torch.testing.assert_close(preset(x), expected.float(), rtol=1.6e-2, atol=1e-5)
 
 
 @NEEDS_VNNI
@@ -309,3 +326,21 @@ def test_loading_the_operators_keeps_subnormal_floats() -> None:
     vattn_ops()
     assert sys.float_info.min / 2 > 0
     assert torch.tensor(1e-40, dtype=torch.float32).item() > 0
+
+
+@pytest.mark.parametrize("isa", ["AVX2", "AVX512_CORE", "AVX512_CORE_BF16", "AVX512_CORE_AMX", None])
+def test_projections_are_right_on_every_onednn_path(isa: str | None) -> None:
+    """float32, bfloat16 and the bf16 preset, with oneDNN held below each ISA (ONEDNN_MAX_CPU_ISA;
+    a cap above this CPU is its widest): the paths an AMX or AVX-512 BF16 machine takes, and
+    those below it, compute the same product (bf16: its rounding, ~3e-3)."""
+    environment = os.environ | {"ONEDNN_MAX_CPU_ISA": isa} if isa else os.environ
+    done = subprocess.run(
+        [sys.executable, "-m", "measure.onednn"], env=environment, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    facts = json.loads(done.stdout)
+    errors = facts["relative_errors"]
+    assert errors["float32"] < 1e-6 and errors["bfloat16"] < 1e-2 and errors["bf16_preset"] < 1e-2, facts
+    assert facts["isa"] != "unknown" and "brg_matmul" in facts["implementations"]["float32"], facts
+    if isa == "AVX2":
+        assert facts["isa"] == "Intel AVX2"
