@@ -11,10 +11,15 @@ prompts whose 64 tokens are all equal, and the mean length of the common prefix)
 
 OpenVINO runs from the model's IRs that `make peer-openvino` exports with optimum-intel
 (`--weight-format fp32` and `int8`: per-channel int8 weights), with its inference precision
-pinned to f32 (on a CPU with AVX512_BF16 it would otherwise run in bf16) and its KV cache in f32
-or at its default precision.
+pinned to f32 or bf16, or at its defaults (on a CPU with AVX512_BF16 or AMX: bf16 compute and
+u8 KV), and its KV cache in f32 or at its default precision.
 
-    python -m benchmarks.offline_compare [--prompts 64] [--rounds 2] [--systems vattn-fp32,openvino-fp32-f32kv]
+Systems compare within a precision class (`fp32`, `bf16`, `int8`), each vattn system against
+OpenVINO's system of its class (`PEER_OF_CLASS`), and vattn's default configuration against
+OpenVINO at its defaults (`defaults`: what a user who starts each gets): per round, the
+ratio of the two rounds' output tokens/s; reported, the median and the range over rounds.
+
+    python -m benchmarks.offline_compare [--prompts 64] [--rounds 3] [--systems vattn-fp32,openvino-fp32-f32kv]
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 from typing import Any
 
 import matplotlib
@@ -58,28 +63,40 @@ DRIVER = REPO_ROOT / "benchmarks" / "peer_drivers" / "openvino_offline.py"
 @dataclass(frozen=True)
 class System:
     name: str
-    weights: str  # "fp32" or "int8": the comparison is at equal weight precision
+    precision: str  # its class: "fp32", "bf16" or "int8" (the comparison is within a class)
     vattn_config: str | None = None  # a measure.workloads configuration
     ir: str | None = None  # OpenVINO's IR folder under .peers/openvino/
     kv_precision: str | None = None  # OpenVINO's KV_CACHE_PRECISION; None: its default
+    inference_precision: str | None = "f32"  # OpenVINO's INFERENCE_PRECISION_HINT; None: its default
 
     @property
     def kv(self) -> str:
         """The KV cache's precision as the results name it."""
         if self.vattn_config:
-            return {"auto": "f32", "float16": "f16"}[engine_options(self.vattn_config).get("kv_cache_dtype", "auto")]
+            options = engine_options(self.vattn_config)
+            kv = options.get("kv_cache_dtype", "auto")
+            return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[options["dtype"] if kv == "auto" else kv]
         return self.kv_precision or "default"
 
 
 SYSTEMS = (
     System("vattn-fp32", "fp32", vattn_config="fp32"),
+    System("vattn-bf16", "bf16", vattn_config="bf16"),
+    System("vattn-bf16w", "bf16", vattn_config="bf16w"),
     System("vattn-w8", "int8", vattn_config="w8"),
     System("vattn-q8", "int8", vattn_config="q8"),
     System("openvino-fp32-f32kv", "fp32", ir="ir-fp32", kv_precision="f32"),
     System("openvino-fp32-defaultkv", "fp32", ir="ir-fp32"),
+    System("openvino-bf16", "bf16", ir="ir-fp32", inference_precision="bf16"),
+    System("openvino-defaults", "defaults", ir="ir-fp32", inference_precision=None),
     System("openvino-int8-f32kv", "int8", ir="ir-int8", kv_precision="f32"),
     System("openvino-int8-defaultkv", "int8", ir="ir-int8"),
 )
+PEER_OF_CLASS = {"fp32": "openvino-fp32-f32kv", "bf16": "openvino-bf16", "int8": "openvino-int8-f32kv"}
+"""The OpenVINO system each vattn system of a class is compared with (f32 KV where it has it,
+as vattn's presets keep theirs unless they say otherwise)."""
+DEFAULTS = ("vattn-fp32", "openvino-defaults")
+"""vattn's default configuration (the engine's defaults) and OpenVINO's."""
 
 
 def vattn_round(config: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -109,7 +126,7 @@ def openvino_round(system: System, prompts_file: Path, max_tokens: int, threads:
         out = Path(scratch) / "out.json"
         command = [str(OPENVINO / "bin" / "python"), str(DRIVER), str(OPENVINO / str(system.ir)), str(prompts_file)]
         command += [str(out), "--threads", str(threads), "--max-tokens", str(max_tokens)]
-        command += ["--inference-precision", "f32"]
+        command += ["--inference-precision", system.inference_precision] if system.inference_precision else []
         command += ["--kv-precision", system.kv_precision] if system.kv_precision else []
         run_driver(command)
         return json.loads(out.read_text())
@@ -127,7 +144,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--shortest", type=int, default=128)
     parser.add_argument("--longest", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--systems", default=",".join(s.name for s in SYSTEMS))
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
@@ -170,7 +187,7 @@ def tabulate(systems: list[System], rounds: dict[str, list[dict[str, Any]]]) -> 
             continue
         results = rounds[system.name]
         speeds = [r["output_tokens"] / r["seconds"] for r in results]
-        row: dict[str, Any] = {"system": system.name, "weights": system.weights, "kv": system.kv}
+        row: dict[str, Any] = {"system": system.name, "precision": system.precision, "kv": system.kv}
         row |= {f"round_{i + 1}_tok_s": s for i, s in enumerate(speeds)}
         row |= {"out_tok_s": mean(speeds), "peak_rss_mib": max(r["peak_rss_bytes"] for r in results) / 2**20}
         if reference is not None:
@@ -178,10 +195,13 @@ def tabulate(systems: list[System], rounds: dict[str, list[dict[str, Any]]]) -> 
             row["same_greedy"] = sum(a == b for a, b in zip(outputs, reference, strict=True)) / len(reference)
             row["common_prefix"] = mean(common_prefix(a, b) for a, b in zip(outputs, reference, strict=True))
         rows.append(row)
-    for row in rows:  # against OpenVINO at the same weight precision and f32 KV
-        peer = next((r for r in rows if r["system"] == f"openvino-{row['weights']}-f32kv"), None)
-        if row["system"].startswith("vattn") and peer:
-            row["vs_openvino_same_precision"] = row["out_tok_s"] / peer["out_tok_s"]
+    speeds = {name: [r["output_tokens"] / r["seconds"] for r in results] for name, results in rounds.items()}
+    for row in rows:
+        name = row["system"]
+        peer = DEFAULTS[1] if name == DEFAULTS[0] and DEFAULTS[1] in speeds else PEER_OF_CLASS.get(row["precision"])
+        if name.startswith("vattn") and peer in speeds:
+            ratios = sorted(v / p for v, p in zip(speeds[name], speeds[peer], strict=True))  # round by round
+            row |= {"peer": peer, "vs_peer_median": median(ratios), "vs_peer_min": ratios[0], "vs_peer_max": ratios[-1]}
     return rows
 
 
@@ -224,7 +244,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         [
             ("system", "system", 24, ""),
             ("out tok/s", "out_tok_s", 10, ".1f"),
-            ("vs OV", "vs_openvino_same_precision", 7, ".2f"),
+            ("peer", "peer", 20, ""),
+            ("x peer", "vs_peer_median", 7, ".2f"),
+            ("min", "vs_peer_min", 6, ".2f"),
+            ("max", "vs_peer_max", 6, ".2f"),
             ("RSS MiB", "peak_rss_mib", 8, ".0f"),
             ("same greedy", "same_greedy", 12, ".1%"),
             ("common prefix", "common_prefix", 14, ".1f"),
