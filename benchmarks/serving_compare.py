@@ -102,13 +102,16 @@ def vllm_system(model_dir: Path) -> System:
     return System("vllm", command, version, env, DEFAULT_MODEL, skip=missing(Path(command[0]), target="peer-vllm"))
 
 
-def llamacpp_system(name: str, gguf: Path, server: Path) -> System:
+def llamacpp_system(name: str, gguf: Path, server: Path, kv: str) -> System:
+    """llama.cpp's server on `gguf` with its KV cache in `kv` (`--cache-type-k/-v`: its default is
+    f16, so an F32 model's row would otherwise not be float32 throughout)."""
     slots, slot_context = 48, 1024  # every request of the deepest level in its own slot, prompt + output fit
     command = [
         str(server),
         *("--model", str(gguf), "--host", "127.0.0.1", "--port", "{port}"),
         *("--threads", "2", "--threads-batch", "2"),
         *("--parallel", str(slots), "--ctx-size", str(slots * slot_context), "--cont-batching"),
+        *("--cache-type-k", kv, "--cache-type-v", kv),
         *("--alias", DEFAULT_MODEL, "--no-webui"),
     ]
     skip = missing(server, gguf, target="peer-llamacpp")
@@ -117,7 +120,7 @@ def llamacpp_system(name: str, gguf: Path, server: Path) -> System:
         out = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=30)
         sdist = sorted(p.name for p in server.parent.glob("llama_cpp_python-*.tar.gz"))
         version = "; ".join([*sdist, *(out.stdout + out.stderr).strip().splitlines()[:1]])
-    return System(name, command, version, skip=skip)
+    return System(name, command, f"{version}; KV {kv}", skip=skip)
 
 
 def hf_system(model_dir: Path, output_tokens: int) -> System:
@@ -378,9 +381,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[Sys
     systems = [vattn_system(name, extra) for name, _, extra in configs]
     systems += [
         vllm_system(args.model_dir),
-        llamacpp_system("llamacpp-f32", args.f32_gguf, args.llama_server),
-        llamacpp_system("llamacpp-q8_0", args.q8_gguf, args.llama_server),
-        llamacpp_system("llamacpp-q4_1", args.q4_gguf, args.llama_server),
+        llamacpp_system("llamacpp-f32", args.f32_gguf, args.llama_server, kv="f32"),
+        llamacpp_system("llamacpp-q8_0", args.q8_gguf, args.llama_server, kv="f16"),
+        llamacpp_system("llamacpp-q4_1", args.q4_gguf, args.llama_server, kv="f16"),
         hf_system(args.model_dir, args.output_tokens),
     ]
     if args.systems:
