@@ -195,14 +195,27 @@ def tabulate(systems: list[System], rounds: dict[str, list[dict[str, Any]]]) -> 
             row["same_greedy"] = sum(a == b for a, b in zip(outputs, reference, strict=True)) / len(reference)
             row["common_prefix"] = mean(common_prefix(a, b) for a, b in zip(outputs, reference, strict=True))
         rows.append(row)
-    speeds = {name: [r["output_tokens"] / r["seconds"] for r in results] for name, results in rounds.items()}
-    for row in rows:
-        name = row["system"]
-        peer = DEFAULTS[1] if name == DEFAULTS[0] and DEFAULTS[1] in speeds else PEER_OF_CLASS.get(row["precision"])
-        if name.startswith("vattn") and peer in speeds:
-            ratios = sorted(v / p for v, p in zip(speeds[name], speeds[peer], strict=True))  # round by round
-            row |= {"peer": peer, "vs_peer_median": median(ratios), "vs_peer_min": ratios[0], "vs_peer_max": ratios[-1]}
     return rows
+
+
+def round_speeds(row: dict[str, Any]) -> list[float]:
+    """A row's output tokens/s, round by round."""
+    return [row[f"round_{i}_tok_s"] for i in range(1, len(row)) if f"round_{i}_tok_s" in row]
+
+
+def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each vattn row against the OpenVINO row of its class, and vattn's default against
+    OpenVINO's: the ratio of their tokens/s round by round, its median and range."""
+    by_name = {row["system"]: row for row in rows}
+    pairs = [(row["system"], PEER_OF_CLASS.get(row["precision"])) for row in rows if row["system"].startswith("vattn")]
+    found = []
+    for name, peer in [*pairs, DEFAULTS]:
+        if name in by_name and peer in by_name:
+            ratios = sorted(
+                v / p for v, p in zip(round_speeds(by_name[name]), round_speeds(by_name[peer]), strict=True)
+            )
+            found.append({"system": name, "peer": peer, "median": median(ratios), "min": ratios[0], "max": ratios[-1]})
+    return found
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -234,9 +247,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in words]
     rounds = measure(args, prompts)
     rows = tabulate(args.systems, rounds)
+    ratios = comparisons(rows)
     workload = {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_tokens": args.max_tokens}
     workload |= {"rounds": args.rounds, "threads": args.threads}
     payload = {"command": command_line(), "machine": machine_facts(), "workload": workload, "rows": rows}
+    payload["comparisons"] = ratios
     payload["peer_versions"] = versions()
     csv_path, json_path, png_path = write_results(args.out, "offline_compare", rows, payload)
     print_table(
@@ -244,16 +259,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         [
             ("system", "system", 24, ""),
             ("out tok/s", "out_tok_s", 10, ".1f"),
-            ("peer", "peer", 20, ""),
-            ("x peer", "vs_peer_median", 7, ".2f"),
-            ("min", "vs_peer_min", 6, ".2f"),
-            ("max", "vs_peer_max", 6, ".2f"),
             ("RSS MiB", "peak_rss_mib", 8, ".0f"),
             ("same greedy", "same_greedy", 12, ".1%"),
             ("common prefix", "common_prefix", 14, ".1f"),
         ],
         f"{len(prompts)} prompts, {args.max_tokens} greedy tokens each, {args.threads} threads",
     )
+    ratio_columns = [("system", "system", 24, ""), ("against", "peer", 24, ""), ("median", "median", 7, ".2f")]
+    ratio_columns += [("min", "min", 6, ".2f"), ("max", "max", 6, ".2f")]
+    print_table(ratios, ratio_columns, "tokens/s ratios, round by round")
     plot(rows, png_path)
     print(f"wrote {csv_path}, {json_path}, {png_path}")
 
