@@ -19,7 +19,7 @@ from torch import Tensor
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from serving.linear import GroupedLinear, GroupedWeight, Linear, PairedWeight, fused
+from serving.linear import GroupedLinear, GroupedWeight, Linear, PairedWeight, fused, lm_head
 from serving.model_loader import ModelShape
 from vattn.ops import vattn_ops
 
@@ -130,7 +130,7 @@ class ModelRunner:
         self._layers = decoder_layers(model, quantization)
         self._activation = ACT2FN[model.config.hidden_act]
         self._final_norm = Norm.of(body.norm)
-        self._lm_head = fused([model.lm_head], quantization)
+        self._lm_head = lm_head(model.lm_head, quantization)
         self._embed = body.embed_tokens
         stored = getattr(body.embed_tokens, "grouped_weight", None) if quantization == "gguf" else None
         if stored is not None:  # the GGUF's own table, rows dequantized as looked up: no float copy kept

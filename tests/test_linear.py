@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -13,6 +14,8 @@ import torch
 from serving.linear import (
     GROUP,
     QUANTIZATIONS,
+    DenseLinear,
+    Float32Head,
     GroupedLinear,
     GroupedWeight,
     PairedWeight,
@@ -20,6 +23,7 @@ from serving.linear import (
     cpu_kernels,
     fused,
     int8_activations_fast,
+    lm_head,
     make_linear,
     paired_kernels,
     vnni_available,
@@ -344,3 +348,21 @@ def test_projections_are_right_on_every_onednn_path(isa: str | None) -> None:
     assert facts["isa"] != "unknown" and "brg_matmul" in facts["implementations"]["float32"], facts
     if isa == "AVX2":
         assert facts["isa"] == "Intel AVX2"
+
+
+def test_the_bf16_class_keeps_its_lm_head_in_float32() -> None:
+    """Under the bf16 preset, and for a bfloat16 model, the head multiplies in float32 (greedy
+    answers hang on near-ties between the top logits); other presets quantize it as the rest."""
+    head = torch.nn.Linear(96, 40, bias=False)
+    x = torch.randn(3, 96)
+    expected = torch.nn.functional.linear(x, head.weight).detach()
+    for linear, inputs in [(head, x), (copy.deepcopy(head).to(torch.bfloat16), x.to(torch.bfloat16))]:
+        quantization = "bf16" if inputs.dtype == torch.float32 else "none"
+        made = lm_head(linear, quantization)
+        assert isinstance(made, Float32Head)
+        logits = made(inputs)
+        assert logits.dtype == torch.float32
+        reference = torch.nn.functional.linear(inputs.float(), linear.weight.float()).detach()
+        torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+    assert isinstance(lm_head(head, "none"), DenseLinear)
+    assert (lm_head(head, "bf16")(x) - expected).abs().max() < 1e-5
