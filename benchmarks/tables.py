@@ -62,7 +62,24 @@ def offline_ratios(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def quality(results: dict[str, Any]) -> str:
+    """Perplexity and next-token agreement of each system and preset against its float reference."""
+    machine = results["machine"]
+    lines = [
+        f"{machine['cpu_model']}, commit {machine['git_commit'][:7]}; `{results['command']}`",
+        "",
+        "| system | preset | perplexity | vs its float | same top-1 |",
+        "|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        change = f"{row['perplexity_change']:+.2%}" if row["perplexity_change"] else ""
+        agreement = f"{row['top1_agreement']:.2%}" if row["top1_agreement"] != 1.0 else ""
+        lines.append(f"| {row['system']} | {row['preset']} | {row['perplexity']:.4f} | {change} | {agreement} |")
+    return "\n".join(lines) + "\n"
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "quality_bf16": quality,
     "offline_compare": offline_compare,
     "offline_compare.ratios": offline_ratios,
 }
