@@ -75,11 +75,13 @@ class System:
         if self.vattn_config:
             options = engine_options(self.vattn_config)
             kv = options.get("kv_cache_dtype", "auto")
-            return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[options["dtype"] if kv == "auto" else kv]
+            dtype = options.get("dtype", "float32")  # auto: a float32 model
+            return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype if kv == "auto" else kv]
         return self.kv_precision or "default"
 
 
 SYSTEMS = (
+    System("vattn-default", "defaults", vattn_config="default"),
     System("vattn-fp32", "fp32", vattn_config="fp32"),
     System("vattn-bf16", "bf16", vattn_config="bf16"),
     System("vattn-bf16w", "bf16", vattn_config="bf16w"),
@@ -95,8 +97,8 @@ SYSTEMS = (
 PEER_OF_CLASS = {"fp32": "openvino-fp32-f32kv", "bf16": "openvino-bf16", "int8": "openvino-int8-f32kv"}
 """The OpenVINO system each vattn system of a class is compared with (f32 KV where it has it,
 as vattn's presets keep theirs unless they say otherwise)."""
-DEFAULTS = ("vattn-fp32", "openvino-defaults")
-"""vattn's default configuration (the engine's defaults) and OpenVINO's."""
+DEFAULTS = ("vattn-default", "openvino-defaults")
+"""vattn's defaults (dtype auto) and OpenVINO's: what a user who starts each gets."""
 
 
 def vattn_round(config: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:

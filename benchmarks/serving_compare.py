@@ -11,7 +11,8 @@ per process). Peers live in their own venvs under .peers/ (`make peers`); one th
 is skipped, and the reason printed and recorded; each command line and version goes in the JSON.
 
     python -m benchmarks.serving_compare [--concurrency 1,16,48] [--requests 48] [--quick]
-        [--vattn "fp32=" --vattn "w8=--quantization int8_weight_only"] [--systems vattn-fp32,vllm,llamacpp-f32]
+        [--vattn "fp32=--dtype float32" --vattn "w8=--quantization int8_weight_only"]
+        [--systems vattn-fp32,vllm,llamacpp-f32]
 """
 
 from __future__ import annotations
@@ -349,7 +350,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[Sys
         "--vattn",
         action="append",
         metavar="NAME=ARGS",
-        help="a vattn configuration: extra `vattn serve` arguments (repeatable; default: fp32=)",
+        help="a vattn configuration: extra `vattn serve` arguments (repeatable; default: fp32=--dtype float32)",
     )
     parser.add_argument("--systems", help=f"comma-separated subset of vattn, vattn-NAME, {', '.join(PEER_NAMES)}")
     parser.add_argument("--concurrency", default="1,16,48", help="requests in flight, one level each")
@@ -377,7 +378,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[Sys
         args.concurrency, args.requests = "1,16", 16
     args.name = args.name or ("serving_compare_quick" if args.quick else "serving_compare")
 
-    configs = [spec.partition("=") for spec in args.vattn or ["fp32="]]
+    configs = [spec.partition("=") for spec in args.vattn or ["fp32=--dtype float32"]]
     systems = [vattn_system(name, extra) for name, _, extra in configs]
     systems += [
         vllm_system(args.model_dir),

@@ -99,6 +99,14 @@ def bf16_available() -> bool:
     return cpu_kernels() == "avx512" and "avx512_bf16" in cpu_flags()
 
 
+def bf16_native() -> bool:
+    """Whether this CPU multiplies bfloat16 natively for oneDNN's packed projections (AVX512_BF16
+    or AMX, with torch at its AVX-512 capability and oneDNN taking bf16): where `dtype` auto
+    picks the `bf16` preset."""
+    fast = cpu_kernels() == "avx512" and bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return fast and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def cpu_kernels() -> str:
     """The widest SIMD path vattn's kernels take here: `avx512`, `avx2` or `scalar`, as torch's
     own CPU capability (which `ATEN_CPU_CAPABILITY` lowers) says."""

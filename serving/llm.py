@@ -21,7 +21,7 @@ Prompt = str | list[int]
 class LLM:
     """A model on the vattn engine. Keyword arguments are EngineConfig fields."""
 
-    def __init__(self, model: str | None = None, dtype: str = "float32", **engine: Any) -> None:
+    def __init__(self, model: str | None = None, dtype: str = "auto", **engine: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine))
         self.tokenizer = self.engine.tokenizer
 

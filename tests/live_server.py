@@ -59,7 +59,8 @@ def openai_client(server: LiveServer, api_key: str = "unused") -> openai.OpenAI:
 def live_server(wait_ready: bool = True, **overrides: Any) -> Iterator[LiveServer]:
     """Serves the default model; keyword arguments are ServerSettings fields or EngineConfig fields."""
     engine_fields = {k: overrides.pop(k) for k in list(overrides) if k in EngineConfig.__dataclass_fields__}
-    engine_config = EngineConfig(**{"max_slots": 8, "max_context": 256, "kv_budget": 64 * MiB, **engine_fields})
+    sizes = {"dtype": "float32", "max_slots": 8, "max_context": 256, "kv_budget": 64 * MiB}
+    engine_config = EngineConfig(**{**sizes, **engine_fields})
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -13,7 +13,13 @@ from serving import LLM, SamplingParams
 from serving.default_model import ensure_default_model
 
 WIDTH, MAX_TOKENS = 3, 24
-ENGINE: dict[str, Any] = {"max_slots": 8, "max_context": 256, "max_batched_tokens": 48, "kv_budget": 64 << 20}
+ENGINE: dict[str, Any] = {
+    "dtype": "float32",
+    "max_slots": 8,
+    "max_context": 256,
+    "max_batched_tokens": 48,
+    "kv_budget": 64 << 20,
+}
 PAGE = 16 << 10
 """21 1/3 tokens of the default model per page: the prompts span several whole pages, which forks share."""
 QUESTIONS = [

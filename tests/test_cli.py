@@ -78,7 +78,7 @@ def test_help_shows_defaults_quickly() -> None:
     result = subprocess.run([str(VATTN), "serve", "--help"], capture_output=True, text=True, timeout=60, check=True)
     assert time.monotonic() - start < 8
     text = " ".join(result.stdout.split())
-    for default in ("(default: float32)", "(default: 8000)", "(default: 1G)", "(default: host)", "(default: 64)"):
+    for default in ("(default: auto)", "(default: 8000)", "(default: 1G)", "(default: host)", "(default: 64)"):
         assert default in text, default
 
 

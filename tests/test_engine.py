@@ -13,7 +13,7 @@ from serving import LLM, SamplingParams
 from serving.config import EngineConfig
 from serving.default_model import default_gguf, ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
-from serving.linear import int8_activations_fast
+from serving.linear import bf16_native, int8_activations_fast
 from serving.request import Request
 from serving.scheduler import assign_fork_parents
 from serving.structured_output import StructuredOutput
@@ -32,7 +32,13 @@ PROMPTS = [
     "One stormy evening, a small boat appeared on the horizon, and",
 ]
 GREEDY = SamplingParams(max_tokens=32, temperature=0)
-ENGINE: dict[str, Any] = {"max_slots": 8, "max_context": 512, "max_batched_tokens": 48, "kv_budget": 64 << 20}
+ENGINE: dict[str, Any] = {
+    "dtype": "float32",
+    "max_slots": 8,
+    "max_context": 512,
+    "max_batched_tokens": 48,
+    "kv_budget": 64 << 20,
+}
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +201,7 @@ def test_a_narrower_kv_cache_cuts_the_bytes_and_keeps_the_scores(llm: LLM, kv_ca
         ({"kv_cache_dtype": "int8", "dtype": "bfloat16"}, "needs a float32 model"),
         ({"kv_cache_dtype": "int8", "kernel": "sdpa"}, "int8 is read only by the ragged and paged kernels"),
         ({"kv_cache_dtype": "int8", "kv_cache": "paged", "kernel": "paged_gather"}, "runs paged_gather"),
-        ({"dtype": "int8"}, "dtype must be one of float16, bfloat16, float32"),
+        ({"dtype": "int8"}, "dtype must be one of auto, float16, bfloat16, float32"),
         ({"kv_cache_dtype": "float16", "dtype": "bfloat16"}, "needs a float32 model"),
         ({"kv_cache_dtype": "float16", "kernel": "sdpa"}, "read only by the ragged kernel"),
         ({"kv_cache_dtype": "bfloat16", "kv_cache": "paged"}, "read only by the ragged kernel"),
@@ -454,3 +460,18 @@ def test_constraints_that_leave_no_token_are_refused_or_end_the_request_alone(ll
     assert dead.finish_reason == "error" and dead.token_ids == [6004]
     assert dead.error is not None and not dead.error.internal and "no token satisfies" in dead.error.message
     assert fine.token_ids == llm.generate(PROMPTS[1], greedy, use_tqdm=False)[0].token_ids
+
+
+def test_auto_precision_takes_the_bf16_preset_where_the_cpu_runs_bf16_natively() -> None:
+    """`dtype` auto (the default): float32 weights multiplied by the bf16 preset on a CPU with
+    AVX512_BF16 or AMX, float32 throughout elsewhere and under tensor parallelism, bfloat16 on a
+    GPU; an explicit float32,
+    or any explicit quantization, is kept as asked."""
+    auto = EngineConfig()
+    assert auto.dtype == "float32"
+    assert auto.quantization == ("bf16" if bf16_native() else "none")
+    assert EngineConfig(dtype="float32").quantization == "none"
+    assert EngineConfig(quantization="q8_0").quantization == "q8_0"
+    assert EngineConfig(model="/models/x.gguf").quantization == "gguf"
+    assert EngineConfig(backend="cuda").dtype == "bfloat16"
+    assert EngineConfig(tensor_parallel_size=2).quantization == "none"  # every rank alike, whatever its CPU

@@ -32,6 +32,7 @@ def greedy(
         model=str(model),
         tensor_parallel_size=tensor_parallel_size,
         tp_init_method=tp_init_method,
+        dtype="float32",
         max_slots=4,
         max_context=512,
         kv_budget=64 << 20,
