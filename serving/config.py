@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.linear import QUANTIZATIONS, bf16_native
+from serving.cpu_features import bf16_native
+from serving.linear import QUANTIZATIONS
 from vattn.config import DTYPES, KVCacheConfig
 from vattn.kernels import KERNELS
 from vattn.paged import PAGED_KERNELS
@@ -27,7 +28,7 @@ class EngineConfig:
     dtype: str = "auto"
     """The model's precision: `float32` (exact), `bfloat16`, `float16`, or `auto`: on the CPU
     float32 weights, multiplied by the `bf16` preset (`quantization` auto) where the CPU runs
-    bf16 natively (AVX512_BF16, AMX: `serving.linear.bf16_native`), the bf16 class measured
+    bf16 natively (AVX512_BF16, AMX: `serving.cpu_features.bf16_native`), the bf16 class measured
     near-lossless (benchmarks/README: perplexity -0.01%, 99.24% the same next token) and 1.4x
     float32's speed offline; float32 throughout elsewhere, and under tensor parallelism (ranks
     on other machines must compute alike); bfloat16 on a GPU."""

@@ -7,7 +7,7 @@
   (fp32 accumulation), the activations converted per call; half of fp32's weight bytes, and
   on CPUs with AVX-512 BF16 about twice fp32's speed (AMX: oneDNN's AMX kernels). The rest of
   the model (norms, attention, KV) stays in the model's dtype, and the LM head runs in float32
-  (Float32Head; a bfloat16 model's too, on the CPU).
+  (serving.model_runner.Float32Head; a bfloat16 model's too, on the CPU).
 - `int8`: weights as symmetric int8 with one scale per output channel, activations
   quantized per row as each call runs, multiplied in int8 (`vattn::int8_linear`, which
   uses torch's `_int_mm`). A quarter of fp32's weight bytes. Fast only where `_int_mm` is
@@ -39,15 +39,14 @@ range), against 32.5 with per-row scales and 30.85 in bf16.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from serving.cpu_features import bf16_available, cpu_kernels, int8_activations_fast, vnni_available
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
 
@@ -60,28 +59,6 @@ TILE = 16
 """Outputs per vector of vattn::paired_linear."""
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none); read
-    once per process, not once per projection."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return frozenset(flags)
-
-
-def int8_activations_fast() -> bool:
-    """Whether torch's `_int_mm` (the `int8` preset) is fast here: AVX-512 VNNI or AMX."""
-    return cpu_kernels() == "avx512" and bool(cpu_flags() & {"avx512_vnni", "amx_int8"})
-
-
-def vnni_available() -> bool:
-    """Whether AVX-512 VNNI bodies run here (the CPU has VNNI, torch at its AVX-512 capability)."""
-    return cpu_kernels() == "avx512" and "avx512_vnni" in cpu_flags()
-
-
 def paired_kernels(activation_bits: int = 16) -> str | None:
     """vattn::paired_linear's body for this CPU: `int16_vnni` on AVX-512 VNNI (`int8_vnni` when
     int8 activations are asked for), `int16_avx2` on other AVX2 or AVX-512 CPUs (1.4-3.7x
@@ -92,26 +69,6 @@ def paired_kernels(activation_bits: int = 16) -> str | None:
     if vnni_available():
         return "int8_vnni" if activation_bits == 8 else "int16_vnni"
     return None if cpu_kernels() == "scalar" else "int16_avx2"
-
-
-def bf16_available() -> bool:
-    """Whether bfloat16 GEMMs are fast here (AVX512_BF16 with torch at its AVX-512 capability)."""
-    return cpu_kernels() == "avx512" and "avx512_bf16" in cpu_flags()
-
-
-def bf16_native() -> bool:
-    """Whether this CPU multiplies bfloat16 natively for oneDNN's packed projections (AVX512_BF16
-    or AMX, with torch at its AVX-512 capability and oneDNN taking bf16): where `dtype` auto
-    picks the `bf16` preset."""
-    fast = cpu_kernels() == "avx512" and bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-    return fast and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def cpu_kernels() -> str:
-    """The widest SIMD path vattn's kernels take here: `avx512`, `avx2` or `scalar`, as torch's
-    own CPU capability (which `ATEN_CPU_CAPABILITY` lowers) says."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    return "avx512" if capability.startswith("AVX512") else "avx2" if capability == "AVX2" else "scalar"
 
 
 class Linear(Protocol):
@@ -404,30 +361,6 @@ def make_linear(weight: Tensor, bias: Tensor | None, quantization: str) -> Linea
     if quantization == "q8_0":
         return GroupedLinear.quantized_int8(weight, bias, activation_bits=8)
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-
-
-class Float32Head:
-    """An LM head multiplied in float32 (input upcast, logits float32) over a float32 copy of
-    its weight: the bf16 class's answers depend on near-ties between the top logits, and a bf16
-    head moves them. On the default model, 64 prompts x 64 greedy tokens (the offline workload)
-    kept all their tokens equal to fp32's in 90.6% of prompts under the `bf16` preset with this
-    head, 68.8% with a bf16 one, at the same speed (the head is one projection of many)."""
-
-    def __init__(self, linear: torch.nn.Linear) -> None:
-        bias = None if linear.bias is None else linear.bias.detach().float()
-        self.linear = DenseLinear(linear.weight.detach().float(), bias)
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return self.linear(x.float())
-
-
-def lm_head(linear: torch.nn.Linear, quantization: str) -> Linear:
-    """The LM head: under `bf16`, and for a bfloat16 model on the CPU, in float32
-    (Float32Head); otherwise as the projections are (fused)."""
-    on_cpu = linear.weight.device.type == "cpu"
-    if on_cpu and (quantization == "bf16" or (quantization == "none" and linear.weight.dtype == torch.bfloat16)):
-        return Float32Head(linear)
-    return fused([linear], quantization)
 
 
 def fused(linears: list[torch.nn.Linear], quantization: str) -> Linear:

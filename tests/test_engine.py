@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from serving import LLM, SamplingParams
 from serving.config import EngineConfig
+from serving.cpu_features import bf16_native, int8_activations_fast
 from serving.default_model import default_gguf, ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
-from serving.linear import bf16_native, int8_activations_fast
 from serving.request import Request
 from serving.scheduler import assign_fork_parents
 from serving.structured_output import StructuredOutput

@@ -11,23 +11,19 @@ import sys
 import pytest
 import torch
 
+from serving.cpu_features import bf16_available, cpu_kernels, int8_activations_fast, vnni_available
 from serving.linear import (
     GROUP,
     QUANTIZATIONS,
     DenseLinear,
-    Float32Head,
     GroupedLinear,
     GroupedWeight,
     PairedWeight,
-    bf16_available,
-    cpu_kernels,
     fused,
-    int8_activations_fast,
-    lm_head,
     make_linear,
     paired_kernels,
-    vnni_available,
 )
+from serving.model_runner import Float32Head, lm_head
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
 
@@ -300,7 +296,8 @@ def test_aten_cpu_capability_avx2_forces_the_avx2_path() -> None:
     if "avx2" not in KERNELS:
         pytest.skip("this CPU has no AVX2")
     script = (
-        "import torch; from serving.linear import GroupedLinear, cpu_kernels; torch.manual_seed(0)\n"
+        "import torch; from serving.cpu_features import cpu_kernels; from serving.linear import GroupedLinear\n"
+        "torch.manual_seed(0)\n"
         "x = torch.randn(3, 96)\n"
         "for outputs, rtol in ((64, 1e-3), (72, 1e-5)):\n"
         "    w = torch.randn(outputs, 96)\n"

@@ -20,10 +20,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from tests.fake_gpu import FakeCudaMode, device_guard, fake_cuda_memory
 from vattn import ConfigurationError, KVCache, KVCacheConfig, UnavailableError
-from vattn.gpu_kernels import VARLEN_ARGUMENTS, TorchFlashAttention, token_rows
 from vattn.kernels import make_kernel
 from vattn.paged import PagedKVCache, PagedKVCacheConfig, make_paged_kernel
 from vattn.sizes import MiB
+from vattn.torch_flash_attention import VARLEN_ARGUMENTS, TorchFlashAttention, token_rows
 
 SHAPES = {"default model": (30, 9, 3, 64), "paper": (32, 32, 8, 128)}
 """(layers, query heads, KV heads, head size): SmolLM2-135M's, and Llama-3-8B's (the paper's)."""

@@ -34,9 +34,7 @@ from torch import Tensor
 from vattn.attention import AttentionKernel, iteration_rows, sdpa_request
 from vattn.errors import UnavailableError
 from vattn.gpu_kernels import (
-    PAGED_ARGUMENTS,
     FlashInferPlans,
-    TorchFlashAttention,
     decode_uses_tensor_cores,
     flashinfer_available,
     import_flash_attn,
@@ -46,6 +44,7 @@ from vattn.gpu_kernels import (
 )
 from vattn.ops import vattn_ops
 from vattn.paged.paged_cache import PagedKVCache
+from vattn.torch_flash_attention import PAGED_ARGUMENTS, TorchFlashAttention
 
 
 @dataclass(frozen=True)
