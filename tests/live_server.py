@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -83,3 +85,13 @@ def live_server(wait_ready: bool = True, **overrides: Any) -> Iterator[LiveServe
         thread.join(30)
         sock.close()
         release_memory()  # the stopped engine dropped its model
+
+
+def read_until(server: subprocess.Popen[str], word: str) -> list[str]:
+    """A `vattn serve` subprocess's log lines (stdout, text) up to the first holding `word`."""
+    deadline, log = time.monotonic() + 120, []
+    while time.monotonic() < deadline and not any(word in line for line in log):
+        line = server.stdout.readline()  # type: ignore[union-attr]
+        assert line or server.poll() is None, "".join(log)
+        log.append(line)
+    return log

@@ -15,6 +15,7 @@ import pytest
 
 from serving.default_model import ensure_default_model
 from serving.server.cli import main, parser, size
+from tests.live_server import read_until
 
 VATTN = Path(sys.executable).parent / "vattn"
 
@@ -113,11 +114,7 @@ def test_serve_logs_ready_and_answers_on_loopback(kv_cache: str, announced: str)
     env = {**os.environ, "VATTN_API_KEY": "k"}
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        deadline, log = time.monotonic() + 120, []
-        while time.monotonic() < deadline and not any("ready:" in line for line in log):
-            line = server.stdout.readline()  # type: ignore[union-attr]
-            assert line or server.poll() is None, "".join(log)
-            log.append(line)
+        log = read_until(server, "ready:")
         assert any(f"ready: SmolLM2-135M-Instruct on http://127.0.0.1:{port}/v1" in line for line in log), log
         assert any(f"2 slots, 32 MiB KV budget, {kv_cache} KV cache, {announced}" in line for line in log), log
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200

@@ -23,7 +23,7 @@ from serving.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS, SamplingP
 from serving.server.cli import parser
 from serving.server.settings import ServerSettings
 from serving.stop_strings import find_stop, held_back
-from tests.live_server import MODEL, LiveServer, live_server
+from tests.live_server import MODEL, LiveServer, live_server, read_until
 
 KEY = "hardening-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -243,16 +243,6 @@ def test_sigterm_does_not_wait_for_half_sent_requests() -> None:
     finally:
         server.kill()
         server.wait()
-
-
-def read_until(server: subprocess.Popen[str], word: str) -> list[str]:
-    """The server's log lines up to the first holding `word`."""
-    deadline, log = time.monotonic() + 120, []
-    while time.monotonic() < deadline and not any(word in line for line in log):
-        line = server.stdout.readline()  # type: ignore[union-attr]
-        assert line or server.poll() is None, "".join(log)
-        log.append(line)
-    return log
 
 
 # ------------------------------------------------------------------ the API key and the Host header

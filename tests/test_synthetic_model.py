@@ -5,10 +5,8 @@ every CPU kernel of both caches against transformers' own, the GPU check's CPU s
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,10 +16,12 @@ from transformers import LlamaForCausalLM
 
 from benchmarks import gpu_model_check
 from benchmarks.gpu_model_check import LONG_TOKENS, Run, engine_config, run_workload, workload
+from measure.results import free_port
 from serving.chat_template import chat_prompt_ids
 from serving.model_loader import load_model, model_shape
 from serving.server.cli import main
 from serving.synthetic_model import SYNTHETIC_MODELS, build_tokenizer, llama_config, load_synthetic
+from tests.live_server import read_until
 
 VATTN = Path(sys.executable).parent / "vattn"
 TINY = SYNTHETIC_MODELS["tiny"]
@@ -148,21 +148,15 @@ def test_the_gpu_check_records_a_kernel_that_cannot_run_here_as_unavailable() ->
 
 
 def test_vattn_serve_answers_a_completion_on_the_tiny_model() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        free_port = probe.getsockname()[1]
-    command = [str(VATTN), "serve", "--model", "synthetic:tiny", "--port", str(free_port)]
+    port = free_port()
+    command = [str(VATTN), "serve", "--model", "synthetic:tiny", "--port", str(port)]
     command += ["--max-slots", "2", "--max-context", "256", "--kv-budget", "32M"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline, log = time.monotonic() + 120, []
-        while time.monotonic() < deadline and not any("ready:" in line for line in log):
-            line = server.stdout.readline()  # type: ignore[union-attr]
-            assert line or server.poll() is None, "".join(log)
-            log.append(line)
-        assert any(f"ready: synthetic:tiny on http://127.0.0.1:{free_port}/v1" in line for line in log), log
+        log = read_until(server, "ready:")
+        assert any(f"ready: synthetic:tiny on http://127.0.0.1:{port}/v1" in line for line in log), log
         body = {"model": "synthetic:tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
-        response = httpx.post(f"http://127.0.0.1:{free_port}/v1/completions", json=body, timeout=60)
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
         completion = response.json()
         assert completion["choices"][0]["text"] and completion["usage"]["completion_tokens"] == 8
