@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "narrow_floats.h"
+
 namespace {
 
 template <typename T>
@@ -24,15 +26,13 @@ void norm_rows(const T* src, int64_t src_stride, T* dst, const T* weight, int64_
       float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < width; ++i) {
-        const float value = static_cast<float>(row[i]);
+        const float value = widen(row[i]);
         squares += value * value;
       }
       const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(width) + static_cast<float>(eps));
       T* out = dst + r * width;
-      for (int64_t i = 0; i < width; ++i) {
-        const T normalized = static_cast<T>(static_cast<float>(row[i]) * inverse);
-        out[i] = static_cast<T>(static_cast<float>(weight[i]) * static_cast<float>(normalized));
-      }
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) out[i] = narrow<T>(widen(weight[i]) * widen(narrow<T>(widen(row[i]) * inverse)));
     }
   });
 }
@@ -43,7 +43,7 @@ void add_rows(T* residual, const T* x, int64_t rows, int64_t width) {
     for (int64_t r = begin; r < end; ++r)
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i)
-        residual[r * width + i] = static_cast<T>(static_cast<float>(residual[r * width + i]) + static_cast<float>(x[r * width + i]));
+        residual[r * width + i] = narrow<T>(widen(residual[r * width + i]) + widen(x[r * width + i]));
   });
 }
 

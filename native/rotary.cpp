@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "narrow_floats.h"
+
 namespace {
 
 template <typename T>
@@ -24,14 +26,14 @@ void rotate(const at::Tensor& x, const T* cos, const T* sin, int64_t table_strid
         T* head = data + t * token_stride + h * head_stride;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          const float first = static_cast<float>(head[i]), second = static_cast<float>(head[i + half]);
+          const float first = widen(head[i]), second = widen(head[i + half]);
           // The products round to T before the sum, as the Python version's separate ops do.
-          const T a = static_cast<T>(first * static_cast<float>(c[i]));
-          const T b = static_cast<T>(-second * static_cast<float>(s[i]));
-          const T d = static_cast<T>(second * static_cast<float>(c[i + half]));
-          const T e = static_cast<T>(first * static_cast<float>(s[i + half]));
-          head[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
-          head[i + half] = static_cast<T>(static_cast<float>(d) + static_cast<float>(e));
+          const float a = widen(narrow<T>(first * widen(c[i])));
+          const float b = widen(narrow<T>(-second * widen(s[i])));
+          const float d = widen(narrow<T>(second * widen(c[i + half])));
+          const float e = widen(narrow<T>(first * widen(s[i + half])));
+          head[i] = narrow<T>(a + b);
+          head[i + half] = narrow<T>(d + e);
         }
       }
     }

@@ -48,7 +48,7 @@ def test_rotate_matches_apply_rotary_pos_emb_on_split_views(dtype: torch.dtype) 
     expected_q, expected_k = apply_rotary_pos_emb(q.clone(), k.clone(), cos, sin, unsqueeze_dim=1)
     untouched_v = v.clone()
     got_q, got_k = rotate(q, k, cos, sin)
-    tolerance = 0 if dtype == torch.float32 else 1e-2  # fp32: the same operations, the same rounding
+    tolerance = 0  # the same operations, the same rounding, bf16 too
     torch.testing.assert_close(got_q, expected_q, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(got_k, expected_k, rtol=tolerance, atol=tolerance)
     assert torch.equal(v, untouched_v)
