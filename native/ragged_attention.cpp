@@ -32,6 +32,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "narrow_floats.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 // GCC 12 warns that the AVX-512 intrinsics' internal _mm512_undefined_*() "is" or "may be" used
@@ -452,6 +454,7 @@ struct Avx512Math {
     }
   }
 };
+#include "attention_bf16_dots.h"
 #endif
 
 // The largest of a lane's `count` scores (-inf for none): the body's SIMD version where it has one.
@@ -558,11 +561,16 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
   // weighted sum of values, merged into `out` after every chunk is done.
   std::vector<float> partial_max(partial_lanes), partial_sum(partial_lanes), partial_acc(partial_lanes * dim);
 
+  // The bf16 body reads queries and rows as bf16 (its scores scaled after), the others as float32
+  // (queries scaled before).
+  constexpr bool kPairs = std::is_same_v<Math, Avx512Bf16Math>;
+  using Row = std::conditional_t<kPairs, c10::BFloat16, float>;
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, queries, acc, tops, totals, converted(kBlock * dim), row_scales(kBlock);
+    std::vector<float> scores, acc, tops, totals, converted(kBlock * dim), row_scales(kBlock);
+    std::vector<Row> queries;
     std::vector<const float*> pointers(kBlock);
     std::vector<const KT*> sources(kBlock);
-    std::vector<const float*> lane_queries(kTileRows * heads);
+    std::vector<const Row*> lane_queries(kTileRows * heads);
     std::vector<float*> lane_scores(kTileRows * heads), lane_sums(kTileRows * heads);
     for (int64_t it = begin; it < end; ++it) {
       const Item item = items[it];
@@ -576,8 +584,11 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       for (int64_t r = 0; r < item.rows; ++r)
         for (int64_t h = 0; h < heads; ++h) {
           const QT* src = q_data + (starts[b] + item.first_row + r) * q_row + h * q_head;
-          float* dst = queries.data() + (r * heads + h) * dim;
-          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * static_cast<float>(scale);
+          Row* dst = queries.data() + (r * heads + h) * dim;
+          if constexpr (kPairs)
+            std::copy(src, src + dim, dst);
+          else
+            for (int64_t d = 0; d < dim; ++d) dst[d] = widen(src[d]) * static_cast<float>(scale);
         }
       // Row r sees the item's keys [key_begin, key_begin + seen(r)); rows before key j skip it.
       auto seen = [&](int64_t r) { return std::clamp<int64_t>(first_pos + r + 1 - key_begin, 0, keys); };
@@ -585,14 +596,14 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       // One block of keys' (or values') rows for kv head `kv`, as floats: the cache's own rows,
       // or (a float16 or bfloat16 cache, read at half the bytes, or an int8 one at a quarter)
       // widened into `converted`, 16 rows at a time: never a copy of the request's K/V.
-      auto block_rows = [&](const Rows& rows_of, int64_t kv, int64_t jb, int64_t n) -> const float* const* {
+      auto block_rows = [&](const Rows& rows_of, int64_t kv, int64_t jb, int64_t n) -> const Row* const* {
         for (int64_t j = 0; j < n; ++j) sources[j] = rows_of(b, kv, key_begin + jb + j);
         const int64_t ahead = jb + kPrefetchBlocks * kBlock;
         for (int64_t j = ahead; j < std::min(ahead + kBlock, keys); ++j) {
           const char* row = reinterpret_cast<const char*>(rows_of(b, kv, key_begin + j));
           for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(KT)); byte += 64) __builtin_prefetch(row + byte);
         }
-        if constexpr (std::is_same_v<KT, float>) {
+        if constexpr (std::is_same_v<KT, Row>) {
           return sources.data();
         } else {
           if constexpr (std::is_same_v<KT, int8_t>) {
@@ -620,9 +631,12 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       for (int64_t jb = 0; jb < keys; jb += kBlock) {
         const int64_t n = std::min(kBlock, keys - jb);
         for (int64_t kv = 0; kv < kv_heads; ++kv) {
-          const float* const* key_block = block_rows(key_rows, kv, jb, n);
+          const Row* const* key_block = block_rows(key_rows, kv, jb, n);
           const int64_t count = lanes_from(jb, kv);
-          dots_lanes<Math>(lane_queries.data(), lane_scores.data(), count, key_block, n, dim);
+          if constexpr (kPairs)
+            Math::dots_lanes(lane_queries.data(), lane_scores.data(), count, key_block, n, dim, scale);
+          else
+            dots_lanes<Math>(lane_queries.data(), lane_scores.data(), count, key_block, n, dim);
         }
       }
       tops.resize(lanes);
@@ -637,9 +651,12 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       for (int64_t jb = 0; jb < keys; jb += kBlock) {
         const int64_t n = std::min(kBlock, keys - jb);
         for (int64_t kv = 0; kv < kv_heads; ++kv) {
-          const float* const* value_block = block_rows(value_rows, kv, jb, n);
+          const Row* const* value_block = block_rows(value_rows, kv, jb, n);
           const int64_t count = lanes_from(jb, kv);
-          accumulate_lanes<Math>(lane_sums.data(), lane_scores.data(), count, value_block, n, dim);
+          if constexpr (kPairs)
+            Math::accumulate_lanes(lane_sums.data(), lane_scores.data(), count, value_block, n, dim);
+          else
+            accumulate_lanes<Math>(lane_sums.data(), lane_scores.data(), count, value_block, n, dim);
         }
       }
       if (item.partial >= 0) {
@@ -653,7 +670,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
           QT* dst = out_data + (starts[b] + item.first_row + r) * o_row + h * o_head;
           const int64_t lane = r * heads + h;
           const float inv = 1.0f / totals[lane];
-          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<QT>(acc[lane * dim + d] * inv);
+          for (int64_t d = 0; d < dim; ++d) dst[d] = narrow<QT>(acc[lane * dim + d] * inv);
         }
     }
   });
@@ -681,7 +698,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
           for (int64_t d = 0; d < dim; ++d) merged[d] += weight * a[d];
         }
         QT* dst = out_data + (starts[tile.request] + tile.first_row + r) * o_row + h * o_head;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<QT>(merged[d] / total);
+        for (int64_t d = 0; d < dim; ++d) dst[d] = narrow<QT>(merged[d] / total);
       }
   }
 }
@@ -725,10 +742,29 @@ std::string simd_for(int64_t head_dim) {
   return "scalar";
 }
 
+// Whether bf16 queries over a bf16 cache take the AVX512_BF16 body: where the CPU has it, the
+// AVX-512 body is chosen, head_dim fits, and ONEDNN_MAX_CPU_ISA (which caps torch's bf16 matmuls
+// below it) does not cap it too.
+bool bf16_dots(int64_t head_dim) {
+#if defined(__x86_64__)
+  static const bool allowed = [] {
+    const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+    const std::string below[] = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"};
+    const bool capped = cap && std::find(std::begin(below), std::end(below), std::string(cap)) != std::end(below);
+    return !capped && __builtin_cpu_supports("avx512bf16");
+  }();
+  return allowed && simd_for(head_dim) == "avx512" && Avx512Bf16Math::fits(head_dim);
+#else
+  return false;
+#endif
+}
+
 template <typename F>
 void dispatch(at::ScalarType qt, at::ScalarType kt, int64_t head_dim, const F& f) {
   const std::string simd = simd_for(head_dim);
 #if defined(__x86_64__)
+  if (qt == at::kBFloat16 && kt == at::kBFloat16 && bf16_dots(head_dim))
+    return f.template operator()<Avx512Bf16Math, c10::BFloat16, c10::BFloat16>();
   if (simd == "avx512") return by_dtype<Avx512Math>(qt, kt, f);
   if (simd == "avx2") return by_dtype<Avx2Math>(qt, kt, f);
 #endif
@@ -870,6 +906,7 @@ TORCH_LIBRARY(vattn, m) {
       "Tensor starts, Tensor new_tokens, Tensor lengths, float scale, Tensor? k=None, Tensor? v=None, "
       "Tensor(d!)? k_scales=None, Tensor(e!)? v_scales=None) -> ()");
   m.def("attention_simd(int head_dim) -> str", &simd_for);
+  m.def("attention_bf16_dots(int head_dim) -> bool", &bf16_dots);
 }
 
 TORCH_LIBRARY_IMPL(vattn, CPU, m) {

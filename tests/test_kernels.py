@@ -12,6 +12,7 @@ import pytest
 import torch
 from checks import check_kernel
 
+from serving.cpu_features import cpu_flags
 from vattn import KVCache, KVCacheConfig, UnavailableError
 from vattn.backends.cuda_calls import NativeCudaCalls
 from vattn.backends.native import load_native, native_available
@@ -107,6 +108,43 @@ def test_ragged_kernel_simd_bodies_match_float64(capability: str) -> None:
     by_widest = {"avx512": ["avx512"] * 3 + ["avx2", "scalar"], "avx2": ["avx2"] * 4 + ["scalar"]}
     expected = by_widest.get(widest, ["scalar"] * 5)
     assert result.stdout.split() == expected
+
+
+# bf16 queries over a bf16 cache: head dims that take the AVX512_BF16 body where the CPU has it
+# (64, 96: multiples of 32) and one that does not (48), lengths and chunks ending mid-block and
+# mid-pair; each against float64 attention at bf16's rounding, and `attention_bf16_dots` saying
+# which body ran.
+BF16_CHECK = """
+import torch
+from vattn.ops import vattn_ops
+ops, generator = vattn_ops(), torch.Generator().manual_seed(0)
+for dim in (64, 96, 48):
+    lengths, news = [1, 17, 40, 300, 33, 101], [1, 1, 20, 1, 33, 45]
+    k, v = (torch.randn(6, 300, 3, dim, generator=generator).bfloat16() for _ in range(2))
+    q = torch.randn(sum(news), 9, dim, generator=generator).bfloat16()
+    out, starts = torch.empty_like(q), torch.tensor([0, *news[:-1]]).cumsum(0)
+    ops.ragged_attention(out, q, k, v, torch.arange(6), starts, torch.tensor(news), torch.tensor(lengths), dim**-0.5)
+    for b, (length, new) in enumerate(zip(lengths, news)):
+        rows = slice(starts[b], starts[b] + new)
+        keys, values = (x[b, :length].double().repeat_interleave(3, 1).transpose(0, 1) for x in (k, v))
+        scores = q[rows].double().transpose(0, 1) @ keys.transpose(1, 2) * dim**-0.5
+        seen = torch.arange(length) <= torch.arange(length - new, length)[:, None]
+        expected = (scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values).transpose(0, 1)
+        torch.testing.assert_close(out[rows].double(), expected, rtol=1e-2, atol=1e-2)
+    print(ops.attention_bf16_dots(dim), end=" ")
+"""
+
+
+@pytest.mark.parametrize("onednn_cap", ["", "AVX512_CORE"])
+def test_ragged_kernel_bf16_bodies_match_float64(onednn_cap: str) -> None:
+    """The AVX512_BF16 body (vdpbf16ps on the cache's own rows) where the CPU has it and
+    ONEDNN_MAX_CPU_ISA does not cap it, the widening bodies elsewhere: both match float64."""
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+    env |= {"ONEDNN_MAX_CPU_ISA": onednn_cap} if onednn_cap else {}
+    result = subprocess.run([sys.executable, "-c", BF16_CHECK], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    native = WIDEST == "avx512" and "avx512_bf16" in cpu_flags() and not onednn_cap
+    assert result.stdout.split() == [str(native), str(native), "False"]
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])

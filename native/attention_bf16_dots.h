@@ -1,0 +1,145 @@
+// The ragged kernel's body for bfloat16 queries over a bfloat16 cache on a CPU with
+// AVX512_BF16: scores and value sums by vdpbf16ps (two bf16 products summed into a float32
+// lane) straight from the cache's rows, never widened to float32 first, at half the
+// instructions of the float32 body's FMAs. Included by ragged_attention.cpp after its
+// AVX-512 body, which it extends: its softmax, 16 x 16 transpose and reduction tree.
+//
+// What rounds where: queries and keys are bf16 already and their products are exact; the
+// softmax (maxima, exp, sums) stays float32; the probabilities are rounded to bf16 for the
+// value sums only, as FlashAttention does on a GPU. Rows are read in pairs of bf16 values
+// as 32-bit lanes: `dim` must be a multiple of 32 (`fits`).
+#pragma once
+
+struct Avx512Bf16Math : Avx512Math {
+  static bool fits(int64_t dim) { return dim % 32 == 0 && dim <= Avx512Math::kMaxDim; }
+
+  static const float* pairs(const c10::BFloat16* row) { return reinterpret_cast<const float*>(row); }
+
+  // One lane's scores against n keys: q . k_j * scale, the products of a 16-key block summed by
+  // the float32 body's transposing tree.
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void dots(
+      const c10::BFloat16* q, const c10::BFloat16* const* keys, int64_t n, int64_t dim, float scale, float* out) {
+    __m512 sums[kBlock];
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 32)
+        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(keys[j] + d));
+      sums[j] = sum;
+    }
+    if (n < kBlock) {
+      for (int64_t j = 0; j < n; ++j) out[j] = _mm512_reduce_add_ps(sums[j]) * scale;
+      return;
+    }
+    __m256 halves[kBlock];
+    for (int64_t j = 0; j < kBlock; ++j) halves[j] = Avx512Math::low_plus_high(sums[j]);
+    const __m256 factor = _mm256_set1_ps(scale);
+    _mm256_storeu_ps(out, _mm256_mul_ps(factor, Avx2Math::sum8(halves)));
+    _mm256_storeu_ps(out + 8, _mm256_mul_ps(factor, Avx2Math::sum8(halves + 8)));
+  }
+
+  // L lanes against a block whose keys were transposed as pairs: kt[p * 16 + j] holds key j's
+  // values 2p and 2p + 1, so each lane's 16 scores are one vector and a broadcast query pair.
+  template <int64_t L>
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void dots_transposed(
+      const c10::BFloat16* const* q, float* const* out, const float* kt, __mmask16 live, int64_t dim, float scale) {
+    __m512 sums[L];
+    for (int64_t l = 0; l < L; ++l) sums[l] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < dim / 2; ++p) {
+      const __m512bh k = (__m512bh)_mm512_loadu_ps(kt + p * 16);
+      for (int64_t l = 0; l < L; ++l)
+        sums[l] = _mm512_dpbf16_ps(sums[l], (__m512bh)_mm512_set1_ps(pairs(q[l])[p]), k);
+    }
+    const __m512 factor = _mm512_set1_ps(scale);
+    for (int64_t l = 0; l < L; ++l) _mm512_mask_storeu_ps(out[l], live, _mm512_mul_ps(factor, sums[l]));
+  }
+  template <int64_t L>
+  static void dots_transposed_left(const c10::BFloat16* const* q, float* const* out, int64_t count, const float* kt,
+                                   __mmask16 live, int64_t dim, float scale) {
+    if constexpr (L > 0) {
+      if (count == L) return dots_transposed<L>(q, out, kt, live, dim, scale);
+      dots_transposed_left<L - 1>(q, out, count, kt, live, dim, scale);
+    }
+  }
+  static void dots_lanes(const c10::BFloat16* const* q, float* const* out, int64_t count,
+                         const c10::BFloat16* const* keys, int64_t n, int64_t dim, float scale) {
+    constexpr int64_t kLanes = 8;
+    if (count < kLanes) {
+      for (int64_t l = 0; l < count; ++l) dots(q[l], keys, n, dim, scale, out[l]);
+      return;
+    }
+    const float* rows[kBlock];
+    for (int64_t j = 0; j < n; ++j) rows[j] = pairs(keys[j]);
+    alignas(64) float kt[Avx512Math::kMaxDim / 2 * 16];
+    for (int64_t p = 0; p < dim / 2; p += 16) Avx512Math::transpose16(rows, n, p, kt + p * 16);
+    const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    int64_t l = 0;
+    for (; l + kLanes <= count; l += kLanes) dots_transposed<kLanes>(q + l, out + l, kt, live, dim, scale);
+    dots_transposed_left<kLanes - 1>(q + l, out + l, count - l, kt, live, dim, scale);
+  }
+
+  // The block's values with keys 2k and 2k + 1 interleaved: packed[(k * dim / 16 + c) * 32 + 2i + s]
+  // is value row 2k + s at column 16c + i (a missing last row reads as zeros).
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void pack_values(
+      const c10::BFloat16* const* values, int64_t n, int64_t dim, c10::BFloat16* packed) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t k = 0; 2 * k < n; ++k)
+      for (int64_t c = 0; c < dim / 16; ++c) {
+        const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values[2 * k] + 16 * c));
+        const __m256i second = 2 * k + 1 < n
+                                   ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values[2 * k + 1] + 16 * c))
+                                   : _mm256_setzero_si256();
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+        _mm512_storeu_si512(packed + (k * dim / 16 + c) * 32, _mm512_permutexvar_epi16(interleave, both));
+      }
+  }
+  // acc[l] += the block's probabilities p[l] (rounded to bf16 in pairs) times the packed values,
+  // for L lanes and V columns of 16 from column 16 * first.
+  template <int64_t L, int64_t V>
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void accumulate_block(
+      float* const* acc, const uint32_t (*p)[kBlock / 2], const c10::BFloat16* packed, int64_t pairs_count, int64_t dim,
+      int64_t first) {
+    __m512 a[L][V];
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t v = 0; v < V; ++v) a[l][v] = _mm512_loadu_ps(acc[l] + 16 * (first + v));
+    for (int64_t k = 0; k < pairs_count; ++k) {
+      __m512bh row[V];
+      for (int64_t v = 0; v < V; ++v)
+        row[v] = (__m512bh)_mm512_loadu_si512(packed + (k * dim / 16 + first + v) * 32);
+      for (int64_t l = 0; l < L; ++l) {
+        const __m512bh pk = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[l][k]));
+        for (int64_t v = 0; v < V; ++v) a[l][v] = _mm512_dpbf16_ps(a[l][v], pk, row[v]);
+      }
+    }
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc[l] + 16 * (first + v), a[l][v]);
+  }
+  template <int64_t L>
+  static void accumulate_lanes_of(float* const* acc, const uint32_t (*p)[kBlock / 2], const c10::BFloat16* packed,
+                                  int64_t pairs_count, int64_t dim) {
+    int64_t c = 0;
+    for (; c + 4 <= dim / 16; c += 4) accumulate_block<L, 4>(acc, p, packed, pairs_count, dim, c);
+    if (dim / 16 - c == 2) accumulate_block<L, 2>(acc, p, packed, pairs_count, dim, c);  // dim % 32 == 0: 0 or 2 left
+  }
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void accumulate_lanes(
+      float* const* acc, const float* const* p, int64_t count, const c10::BFloat16* const* values, int64_t n,
+      int64_t dim) {
+    alignas(64) c10::BFloat16 packed[kBlock / 2 * Avx512Math::kMaxDim * 2];
+    pack_values(values, n, dim, packed);
+    const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const int64_t pairs_count = (n + 1) / 2;
+    for (int64_t l = 0; l < count; l += 4) {
+      const int64_t lanes = std::min<int64_t>(4, count - l);
+      uint32_t rounded[4][kBlock / 2];
+      for (int64_t i = 0; i < lanes; ++i)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded[i]),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p[l + i])));
+      switch (lanes) {
+        case 4: accumulate_lanes_of<4>(acc + l, rounded, packed, pairs_count, dim); break;
+        case 3: accumulate_lanes_of<3>(acc + l, rounded, packed, pairs_count, dim); break;
+        case 2: accumulate_lanes_of<2>(acc + l, rounded, packed, pairs_count, dim); break;
+        default: accumulate_lanes_of<1>(acc + l, rounded, packed, pairs_count, dim); break;
+      }
+    }
+  }
+};
