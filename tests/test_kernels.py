@@ -67,30 +67,40 @@ def test_kernels_that_cannot_read_int8_refuse_it_when_made(make_cache: MakeCache
             make_kernel(name, cache, num_query_heads=8)
 
 
-# The ragged kernel against float64 attention for head dims that take each SIMD body (and, on
-# AVX-512, every width of its many-lane value sums: 64 + 48, 48), over
-# lengths that end mid-block (blocks of 16 keys) and chunks whose rows end mid-block, with
-# float32 queries on float32, float16 and bfloat16 caches.
-SIMD_CHECK = """
+# The ragged kernel's call on requests' lengths and new rows, checked against float64
+# attention: the prefix of the scripts below, each run in its own process.
+AGAINST_FLOAT64 = """
 import torch
 from vattn.ops import vattn_ops
 ops, generator = vattn_ops(), torch.Generator().manual_seed(0)
-for dim, cache_dtype in [(d, t) for d in (64, 112, 48, 40, 12) for t in (torch.float32, torch.float16, torch.bfloat16)]:
-    lengths, news = [1, 17, 40, 300, 33], [1, 1, 20, 1, 33]
-    k, v = (torch.randn(5, 300, 3, dim, generator=generator).to(cache_dtype) for _ in range(2))
-    q = torch.randn(sum(news), 9, dim, generator=generator)
+def check(q, k, v, lengths, news, tolerance):
+    dim, kv_heads = q.shape[-1], k.shape[2]
+    group = q.shape[1] // kv_heads
     out, starts = torch.empty_like(q), torch.tensor([0, *news[:-1]]).cumsum(0)
-    ops.ragged_attention(out, q, k, v, torch.arange(5), starts, torch.tensor(news), torch.tensor(lengths), dim**-0.5)
+    slots = torch.arange(len(lengths))
+    ops.ragged_attention(out, q, k, v, slots, starts, torch.tensor(news), torch.tensor(lengths), dim**-0.5)
     for b, (length, new) in enumerate(zip(lengths, news)):
         rows = slice(starts[b], starts[b] + new)
-        keys, values = (x[b, :length].double().repeat_interleave(3, 1).transpose(0, 1) for x in (k, v))
+        keys, values = (x[b, :length].double().repeat_interleave(group, 1).transpose(0, 1) for x in (k, v))
         scores = q[rows].double().transpose(0, 1) @ keys.transpose(1, 2) * dim**-0.5
         seen = torch.arange(length) <= torch.arange(length - new, length)[:, None]
         expected = (scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values).transpose(0, 1)
-        torch.testing.assert_close(out[rows].double(), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[rows].double(), expected, rtol=tolerance, atol=tolerance)
+"""
+
+# Head dims that take each SIMD body (and, on AVX-512, every width of its many-lane value sums:
+# 64 + 48, 48), over lengths that end mid-block (blocks of 16 keys) and chunks whose rows end
+# mid-block, with float32 queries on float32, float16 and bfloat16 caches.
+SIMD_CHECK = (
+    AGAINST_FLOAT64
+    + """
+for dim, cache_dtype in [(d, t) for d in (64, 112, 48, 40, 12) for t in (torch.float32, torch.float16, torch.bfloat16)]:
+    k, v = (torch.randn(5, 300, 3, dim, generator=generator).to(cache_dtype) for _ in range(2))
+    check(torch.randn(56, 9, dim, generator=generator), k, v, [1, 17, 40, 300, 33], [1, 1, 20, 1, 33], 1e-5)
     if cache_dtype == torch.float32:
         print(ops.attention_simd(dim), end=" ")
 """
+)
 WIDEST = vattn_ops().attention_simd(64)
 
 
@@ -114,25 +124,16 @@ def test_ragged_kernel_simd_bodies_match_float64(capability: str) -> None:
 # (64, 96: multiples of 32) and one that does not (48), lengths and chunks ending mid-block and
 # mid-pair; each against float64 attention at bf16's rounding, and `attention_bf16_dots` saying
 # which body ran.
-BF16_CHECK = """
-import torch
-from vattn.ops import vattn_ops
-ops, generator = vattn_ops(), torch.Generator().manual_seed(0)
+BF16_CHECK = (
+    AGAINST_FLOAT64
+    + """
 for dim in (64, 96, 48):
-    lengths, news = [1, 17, 40, 300, 33, 101], [1, 1, 20, 1, 33, 45]
     k, v = (torch.randn(6, 300, 3, dim, generator=generator).bfloat16() for _ in range(2))
-    q = torch.randn(sum(news), 9, dim, generator=generator).bfloat16()
-    out, starts = torch.empty_like(q), torch.tensor([0, *news[:-1]]).cumsum(0)
-    ops.ragged_attention(out, q, k, v, torch.arange(6), starts, torch.tensor(news), torch.tensor(lengths), dim**-0.5)
-    for b, (length, new) in enumerate(zip(lengths, news)):
-        rows = slice(starts[b], starts[b] + new)
-        keys, values = (x[b, :length].double().repeat_interleave(3, 1).transpose(0, 1) for x in (k, v))
-        scores = q[rows].double().transpose(0, 1) @ keys.transpose(1, 2) * dim**-0.5
-        seen = torch.arange(length) <= torch.arange(length - new, length)[:, None]
-        expected = (scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values).transpose(0, 1)
-        torch.testing.assert_close(out[rows].double(), expected, rtol=1e-2, atol=1e-2)
+    q = torch.randn(101, 9, dim, generator=generator).bfloat16()
+    check(q, k, v, [1, 17, 40, 300, 33, 101], [1, 1, 20, 1, 33, 45], 1e-2)
     print(ops.attention_bf16_dots(dim), end=" ")
 """
+)
 
 
 @pytest.mark.parametrize("onednn_cap", ["", "AVX512_CORE"])
