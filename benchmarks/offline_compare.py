@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import mean, median
+from statistics import mean
 from typing import Any
 
 import matplotlib
@@ -47,6 +47,7 @@ from measure.results import (
     command_line,
     machine_facts,
     print_table,
+    ratio_range,
     save_figure,
     write_results,
 )
@@ -213,10 +214,8 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     found = []
     for name, peer in [*pairs, DEFAULTS]:
         if name in by_name and peer in by_name:
-            ratios = sorted(
-                v / p for v, p in zip(round_speeds(by_name[name]), round_speeds(by_name[peer]), strict=True)
-            )
-            found.append({"system": name, "peer": peer, "median": median(ratios), "min": ratios[0], "max": ratios[-1]})
+            ratios = ratio_range(round_speeds(by_name[name]), round_speeds(by_name[peer]))
+            found.append({"system": name, "peer": peer} | ratios)
     return found
 
 

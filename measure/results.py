@@ -191,6 +191,15 @@ def print_table(
         print(" ".join(cells))
 
 
+def ratio_range(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, float]:
+    """Round-by-round ratios of two systems' speeds (paired by round): their median and range. A
+    lead or a shortfall is claimed only where the range stays on one side of 1."""
+    ratios = sorted(a / b for a, b in zip(ours, theirs, strict=True))
+    middle = len(ratios) // 2
+    median = ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+    return {"median": median, "min": ratios[0], "max": ratios[-1]}
+
+
 def percentiles(values: Sequence[float] | np.ndarray) -> dict[str, float]:
     """p50, p90, p99, max and mean of a sample."""
     arr = np.asarray(values, dtype=np.float64)
