@@ -23,7 +23,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gguf": {"dtype": "float32", "quantization": "gguf"},
     "bf16w": {"dtype": "float32", "quantization": "bf16"},
     "bf16": {"dtype": "bfloat16"},
-    "default": {},  # dtype auto: the bf16 preset where the CPU multiplies bf16 natively, else fp32
+    "default": {},  # dtype auto: bfloat16 where the CPU multiplies bf16 natively, else fp32
 }
 
 

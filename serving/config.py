@@ -27,11 +27,11 @@ class EngineConfig:
     spot, serving.synthetic_model); None is the default model (fetched on first use)."""
     dtype: str = "auto"
     """The model's precision: `float32` (exact), `bfloat16`, `float16`, or `auto`: on the CPU
-    float32 weights, multiplied by the `bf16` preset (`quantization` auto) where the CPU runs
-    bf16 natively (AVX512_BF16, AMX: `serving.cpu_features.bf16_native`), the bf16 class measured
-    near-lossless (benchmarks/README: perplexity -0.01%, 99.24% the same next token) and 1.4x
-    float32's speed offline; float32 throughout elsewhere, and under tensor parallelism (ranks
-    on other machines must compute alike); bfloat16 on a GPU."""
+    bfloat16 (weights, activations, KV cache; the LM head in float32) where the CPU runs bf16
+    natively (AVX512_BF16, AMX: `serving.cpu_features.bf16_native`) and neither a quantization
+    nor another KV precision is asked for, measured near-lossless (benchmarks/README,
+    `quality_bf16`) and the fastest of the bf16 class offline; float32 elsewhere, and under
+    tensor parallelism (ranks on other machines must compute alike); bfloat16 on a GPU."""
     max_slots: int = 64
     """Requests running at once (KV slots)."""
     max_context: int = 2048
@@ -92,10 +92,10 @@ class EngineConfig:
             raise ValueError(f"reserve_tokens must be an integer >= 0, got {self.reserve_tokens!r}")
         is_gguf = str(self.model or "").endswith(".gguf")
         if self.dtype == "auto":
-            object.__setattr__(self, "dtype", "bfloat16" if self.backend == "cuda" else "float32")
             single = self.tensor_parallel_size == 1  # ranks on other machines must not choose otherwise
-            if self.quantization == "auto" and self.backend == "host" and single and not is_gguf and bf16_native():
-                object.__setattr__(self, "quantization", "bf16")
+            asked = self.quantization != "auto" or self.kv_cache_dtype not in ("auto", "bfloat16")
+            native = not asked and single and not is_gguf and bf16_native()
+            object.__setattr__(self, "dtype", "bfloat16" if self.backend == "cuda" or native else "float32")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.kv_cache not in KV_CACHES:

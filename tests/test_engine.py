@@ -204,7 +204,7 @@ def test_a_narrower_kv_cache_cuts_the_bytes_and_keeps_the_scores(llm: LLM, kv_ca
         ({"dtype": "int8"}, "dtype must be one of auto, float16, bfloat16, float32"),
         ({"kv_cache_dtype": "float16", "dtype": "bfloat16"}, "needs a float32 model"),
         ({"kv_cache_dtype": "float16", "kernel": "sdpa"}, "read only by the ragged kernel"),
-        ({"kv_cache_dtype": "bfloat16", "kv_cache": "paged"}, "read only by the ragged kernel"),
+        ({"kv_cache_dtype": "bfloat16", "kv_cache": "paged", "dtype": "float32"}, "read only by the ragged kernel"),
     ],
 )
 def test_a_kv_cache_dtype_nothing_can_read_is_refused(overrides: dict[str, Any], message: str) -> None:
@@ -462,16 +462,18 @@ def test_constraints_that_leave_no_token_are_refused_or_end_the_request_alone(ll
     assert fine.token_ids == llm.generate(PROMPTS[1], greedy, use_tqdm=False)[0].token_ids
 
 
-def test_auto_precision_takes_the_bf16_preset_where_the_cpu_runs_bf16_natively() -> None:
-    """`dtype` auto (the default): float32 weights multiplied by the bf16 preset on a CPU with
-    AVX512_BF16 or AMX, float32 throughout elsewhere and under tensor parallelism, bfloat16 on a
-    GPU; an explicit float32,
-    or any explicit quantization, is kept as asked."""
+def test_auto_precision_takes_bfloat16_where_the_cpu_runs_bf16_natively() -> None:
+    """`dtype` auto (the default): bfloat16 on a CPU with AVX512_BF16 or AMX, float32 elsewhere,
+    under tensor parallelism and with a quantization or another KV precision asked for, bfloat16
+    on a GPU; an explicit
+    float32, or any explicit quantization, is kept as asked."""
     auto = EngineConfig()
-    assert auto.dtype == "float32"
-    assert auto.quantization == ("bf16" if bf16_native() else "none")
+    assert auto.dtype == ("bfloat16" if bf16_native() else "float32")
+    assert auto.quantization == "none"
+    assert EngineConfig(quantization="q8_0").dtype == "float32"
+    assert EngineConfig(kv_cache_dtype="int8").dtype == "float32"
     assert EngineConfig(dtype="float32").quantization == "none"
     assert EngineConfig(quantization="q8_0").quantization == "q8_0"
     assert EngineConfig(model="/models/x.gguf").quantization == "gguf"
     assert EngineConfig(backend="cuda").dtype == "bfloat16"
-    assert EngineConfig(tensor_parallel_size=2).quantization == "none"  # every rank alike, whatever its CPU
+    assert EngineConfig(tensor_parallel_size=2).dtype == "float32"  # every rank alike, whatever its CPU

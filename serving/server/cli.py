@@ -124,8 +124,9 @@ def parser() -> argparse.ArgumentParser:
         "--dtype",
         default="auto",
         choices=["auto", *MODEL_DTYPES],
-        help="weights and KV precision; auto: float32 weights, multiplied in bf16 (--quantization auto: bf16) "
-        "where the CPU does bf16 natively (AVX512_BF16, AMX), bfloat16 on a GPU; float32: exact",
+        help="weights and KV precision; auto: bfloat16 (the LM head in float32) where the CPU does bf16 "
+        "natively (AVX512_BF16, AMX) and no --quantization is given, bfloat16 on a GPU, else float32; "
+        "float32: exact",
     )
     serve.add_argument("--host", default=server.host, help="address to bind; 0.0.0.0 exposes the server")
     serve.add_argument("--port", type=int, default=server.port, help="port to bind")
@@ -217,7 +218,7 @@ def parser() -> argparse.ArgumentParser:
         "groups of 32, activations in int16: the float model's answers), q8_0 (llama.cpp's Q8_0 arithmetic: "
         "weights and activations int8 in groups of 32, ~1.7x int8_weight_only's multiplies on AVX-512 VNNI), "
         "gguf (a GGUF file's own quantized "
-        "weights); auto: gguf for a .gguf model, bf16 with --dtype auto where the CPU does bf16 natively, else none",
+        "weights); auto: gguf for a .gguf model, else none",
     )
     serve.add_argument(
         "--kv-cache-dtype",
