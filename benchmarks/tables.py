@@ -6,8 +6,11 @@
 A generated table sits between `<!-- generated: NAME -->` and `<!-- end generated -->` in
 README.md or benchmarks/README.md; NAME is one of TABLES, each a function of its results file
 (benchmarks/results/NAME.json; NAME.PART is another table of the same file).
-tests/test_tables.py runs the check, so a README figure that is not its results file's fails
-the tests.
+Every other table with a figure (a decimal, a percentage or a ratio) cites its results files
+(`results/NAME.*`, `.csv` or `.json`) in the lines before it, and each of its numbers is in one
+of them (`unsourced`): as stored, rounded as printed, as a percentage, or as the ratio of two
+values stored under one key. tests/test_tables.py runs both checks, so a README figure that is
+not in a results file fails the tests.
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ from measure.results import REPO_ROOT, RESULTS_DIR
 
 READMES = (REPO_ROOT / "README.md", REPO_ROOT / "benchmarks" / "README.md")
 BLOCK = re.compile(r"(<!-- generated: (\S+) -->\n)(.*?)(<!-- end generated -->)", re.DOTALL)
+CITATION = re.compile(r"results/([\w./-]+?)\.(?:\*|csv|json|png)")
+NUMBER = re.compile(r"(?<![\w.])([+-]?\d[\d,]*(?:\.\d+)?)(%|x)?")
+SCALES = (1, 100, 1e3, 1e-3, 1e-6, 2**-20, 1e-9, 2**-30)
+"""How a stored number may be printed: as is, as a percentage, seconds as ms (or back), bytes as
+MB, MiB, GB or GiB."""
+CITING_LINES = 25
+"""How far before a table its citations are looked for."""
 
 
 def offline_compare(results: dict[str, Any]) -> str:
@@ -78,10 +88,54 @@ def quality(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+EQUAL_QUALITY = {  # serving system: its label, its quality row (system, preset), its peer of the same precision
+    "vattn-q8": ("vattn `q8_0`, f16 KV (Q8_0's arithmetic and KV)", ("vattn", "q8"), "llamacpp-q8_0"),
+    "vattn-w8": ("vattn `int8_weight_only`", ("vattn", "w8"), "llamacpp-q8_0"),
+    "llamacpp-q8_0": ("llama.cpp Q8_0", ("llama.cpp", "Q8_0"), None),
+    "vattn-q4_1-gguf": ("vattn `gguf` (the Q4_1 file as stored)", ("vattn", "gguf"), "llamacpp-q4_1"),
+    "llamacpp-q4_1": ("llama.cpp Q4_1", ("llama.cpp", "Q4_1"), None),
+    "vattn-fp32": ("vattn fp32", ("vattn", "fp32"), "vllm"),
+    "vllm": ("vLLM fp32 (CPU build, both cores)", ("vLLM", "fp32"), None),
+    "llamacpp-f32": ("llama.cpp F32", ("llama.cpp", "F32"), None),
+}
+
+
+def equal_quality(results: dict[str, Any]) -> str:
+    """The equal-precision serving run beside each system's quality (results/quality.json): tokens/s
+    per level, each vattn row with its ratio to the peer of its precision."""
+    quality = {(r["system"], r["preset"]): r for r in json.loads((RESULTS_DIR / "quality.json").read_text())["rows"]}
+    speed = {(r["system"], r["concurrency"]): r["output_tokens_per_s"] for r in results["rows"]}
+    levels = sorted({c for _, c in speed})
+    lines = [
+        "| system | perplexity (vs its fp32) | same next token | " + " | ".join(f"tok/s c={c}" for c in levels) + " |",
+        "|---|---|---|" + "---|" * len(levels),
+    ]
+    commands = {info["name"]: info["command"].split() for info in results["systems"]}
+    for system, (label, scored, peer) in EQUAL_QUALITY.items():
+        if (system, levels[0]) not in speed:
+            continue
+        if system.startswith("llamacpp"):  # its KV precision as run: --cache-type-k, or its default f16
+            command = commands[system]
+            kv = command[command.index("--cache-type-k") + 1] if "--cache-type-k" in command else "f16, its default"
+            label += f" ({kv} KV)"
+        q = quality[scored]
+        cells = [
+            f"{speed[system, c]:.1f}" + (f" ({speed[system, c] / speed[peer, c]:.2f}x {peer})" if peer else "")
+            for c in levels
+        ]
+        lines.append(
+            f"| {label} | {q['perplexity']:.4f} ({q['perplexity_change']:+.2%}) | {q['top1_agreement']:.2%} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "quality_bf16": quality,
     "offline_compare": offline_compare,
     "offline_compare.ratios": offline_ratios,
+    "serving_compare_equal_precision.quality": equal_quality,
 }
 
 
@@ -98,6 +152,66 @@ def generated(text: str) -> str:
     return BLOCK.sub(render, text)
 
 
+def stored_numbers(value: Any, key: str = "", found: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """Every number of a results file by the key it is stored under (numbers inside strings, such
+    as a command line, under "text")."""
+    found = {} if found is None else found
+    if isinstance(value, dict):
+        for name, item in value.items():
+            stored_numbers(item, name, found)
+    elif isinstance(value, list):
+        for item in value:
+            stored_numbers(item, key, found)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        found.setdefault(key, []).append(float(value))
+    elif isinstance(value, str):
+        found.setdefault("text", []).extend(float(m) for m in re.findall(r"\d+(?:\.\d+)?", value))
+    return found
+
+
+def sourced(figure: str, suffix: str | None, numbers: dict[str, list[float]]) -> bool:
+    """Whether a printed figure is a stored number in one of its `SCALES`, rounded as printed, or
+    (a ratio, `x`) one stored number over another of the same key."""
+    text = figure.replace(",", "")
+    decimals = len(text.split(".")[1]) if "." in text else 0
+    target = abs(float(text))
+    for values in numbers.values():
+        if suffix == "x":
+            if any(b and round(a / b, decimals) == target for a in values for b in values):
+                return True
+        elif any(round(abs(v * scale), decimals) == target for v in values for scale in SCALES):
+            return True
+    return False
+
+
+def unsourced(text: str) -> list[str]:
+    """The READMEs' typed tables' figures that are in none of the results files they cite, and the
+    tables with figures that cite none (each as `line N: ...`)."""
+    lines, problems, generating, index = text.splitlines(), [], False, 0
+    while index < len(lines):
+        line = lines[index]
+        generating = line.startswith("<!-- generated") or (generating and not line.startswith("<!-- end generated"))
+        if not line.startswith("|") or generating:
+            index += 1
+            continue
+        end = next((i for i in range(index, len(lines)) if not lines[i].startswith("|")), len(lines))
+        # A row's first cell names it (a system, a workload): its numbers are labels, not figures.
+        figures = [m for row in lines[index + 2 : end] for m in NUMBER.finditer(row.split("|", 2)[-1])]
+        cited = dict.fromkeys(CITATION.findall("\n".join(lines[max(0, index - CITING_LINES) : index])))
+        numbers: dict[str, list[float]] = {}
+        for name in cited:
+            if (RESULTS_DIR / f"{name}.json").exists():
+                stored_numbers(json.loads((RESULTS_DIR / f"{name}.json").read_text()), found=numbers)
+        if not cited and any("." in m.group(1) or m.group(2) for m in figures):
+            problems.append(f"line {index + 1}: a table of figures that cites no results file")
+        elif cited:
+            missing = [m.group(0) for m in figures if not sourced(m.group(1), m.group(2), numbers)]
+            if missing:
+                problems.append(f"line {index + 1}: {', '.join(missing)} in none of {', '.join(cited)}")
+        index = end
+    return problems
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is stale")
@@ -105,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     stale = []
     for readme in READMES:
         text = readme.read_text()
+        for problem in unsourced(text):
+            print(f"{readme.relative_to(REPO_ROOT)}, {problem}")
         new = generated(text)
         if new != text:
             stale.append(readme)
