@@ -88,6 +88,40 @@ def quality(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def serving_compare(results: dict[str, Any]) -> str:
+    """The served comparison: per system and level the median of the rounds (tokens/s with its
+    range), then the ratios within each precision class."""
+    machine, settings = results["machine"], results["settings"]
+    onednn = machine.get("onednn", {})
+    lines = [
+        f"{machine['cpu_model']}, {machine['nproc']} cores, oneDNN ISA: {onednn.get('isa', 'not recorded')}; "
+        f"{settings['rounds']} alternating rounds; commit {machine['git_commit'][:7]}; `{results['command']}`",
+        "",
+        "| system | class | requests in flight | out tok/s, median (range) | TTFT p50 | TPOT p50 | peak RSS |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        speed = row["output_tokens_per_s"]
+        spread = f"{row['output_tokens_per_s_min']:.1f}-{row['output_tokens_per_s_max']:.1f}"
+        lines.append(
+            f"| {row['system']} | {row['precision']} | {row['concurrency']} | {speed:.1f} ({spread}) | "
+            f"{row['ttft_p50_s']:.2f} s | {row['tpot_p50_ms']:.0f} ms | {row['peak_rss_mib']:,.0f} MiB |"
+        )
+    return "\n".join(lines) + "\n\n" + serving_ratios(results)
+
+
+def serving_ratios(results: dict[str, Any]) -> str:
+    """Each vattn system against each peer of its class, level by level: the tokens/s ratio round
+    by round, its median and range."""
+    lines = ["| vattn | against | requests in flight | tokens/s ratio, median | range |", "|---|---|---|---|---|"]
+    for ratio in results["comparisons"]:
+        lines.append(
+            f"| {ratio['system']} | {ratio['peer']} | {ratio['concurrency']} | {ratio['median']:.2f}x | "
+            f"{ratio['min']:.2f}-{ratio['max']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 EQUAL_QUALITY = {  # serving system: its label, its quality row (system, preset), its peer of the same precision
     "vattn-q8": ("vattn `q8_0`, f16 KV (Q8_0's arithmetic and KV)", ("vattn", "q8"), "llamacpp-q8_0"),
     "vattn-w8": ("vattn `int8_weight_only`", ("vattn", "w8"), "llamacpp-q8_0"),
@@ -136,6 +170,8 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "offline_compare": offline_compare,
     "offline_compare.ratios": offline_ratios,
     "serving_compare_equal_precision.quality": equal_quality,
+    "serving_compare": serving_compare,
+    "serving_compare.ratios": serving_ratios,
 }
 
 
@@ -170,14 +206,15 @@ def stored_numbers(value: Any, key: str = "", found: dict[str, list[float]] | No
 
 
 def sourced(figure: str, suffix: str | None, numbers: dict[str, list[float]]) -> bool:
-    """Whether a printed figure is a stored number in one of its `SCALES`, rounded as printed, or
-    (a ratio, `x`) one stored number over another of the same key."""
+    """Whether a printed figure is a stored number in one of its `SCALES`, rounded as printed; a
+    ratio (`x`) may also be one stored number over another of the same key."""
     text = figure.replace(",", "")
     decimals = len(text.split(".")[1]) if "." in text else 0
     target = abs(float(text))
     for values in numbers.values():
         if suffix == "x":
-            if any(b and round(a / b, decimals) == target for a in values for b in values):
+            ratios = (a / b for a in values for b in values if b)
+            if any(round(v, decimals) == target for v in [*values, *ratios]):
                 return True
         elif any(round(abs(v * scale), decimals) == target for v in values for scale in SCALES):
             return True

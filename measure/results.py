@@ -55,10 +55,14 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+MEASURED_CODE = ("vattn", "native", "serving", "benchmarks", "measure")
+
+
 def _git_dirty() -> bool | None:
     try:
         out = subprocess.run(
-            ["git", "status", "--porcelain", "--", "vattn", "native", "serving", "benchmarks", "measure"],
+            # the code that measures and is measured; not the results files a run writes as it goes, nor prose
+            ["git", "status", "--porcelain", "--", *MEASURED_CODE, ":(exclude)benchmarks/results", ":(exclude)*.md"],
             cwd=REPO_ROOT,
             capture_output=True,
             text=True,
