@@ -85,6 +85,9 @@ class EngineConfig:
     other ranks started by rank 0 on a free loopback port."""
     seed: int = 0
     """Random stream of requests that give no seed of their own."""
+    enable_sleep_mode: bool = False
+    """vLLM's sleep mode: `LLMEngine.sleep` gives the KV cache's pages back to the system (and at
+    level 2 drops the weights) while the address space stays reserved; the virtual cache only."""
 
     def __post_init__(self) -> None:
         require_positive_int("max_batched_tokens", self.max_batched_tokens)
@@ -133,6 +136,11 @@ class EngineConfig:
         require_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.tensor_parallel_size > 1 and self.quantization == "gguf":
             raise ValueError("tensor parallelism splits a float checkpoint's projections: not a GGUF file's blocks")
+        if self.enable_sleep_mode and (self.kv_cache != "virtual" or self.tensor_parallel_size > 1):
+            raise ValueError(
+                "sleep mode gives the virtual cache's pages back on one rank: it needs kv_cache 'virtual' and "
+                "tensor_parallel_size 1 (the paged baseline's blocks are allocated once, for good)"
+            )
 
     def _check_kv_cache_dtype(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -47,6 +47,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vattn.engine")
 
+WAKE_TAGS = ("weights", "kv_cache")
+"""What `LLMEngine.wake_up` can wake, as vLLM's tags name it."""
+
+
+class SleepingError(ValueError):
+    """A request for an engine that sleeps (the server answers 503 with Retry-After)."""
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -71,7 +78,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.kv_events_endpoint is not None:  # msgspec and pyzmq: imported only when asked for, before the model
             from serving.kv_events import kv_event_publisher
-        path = config.model or ensure_default_model()
+        self._path = path = config.model or ensure_default_model()
         model, self.tokenizer = load_model(path, config.torch_dtype, gguf_weights=config.quantization == "gguf")
         shape = model_shape(model)
         self.max_context = min(config.max_context, shape.max_position)
@@ -104,6 +111,10 @@ class LLMEngine:
         return_freed_memory()
         self._changed: dict[Request, None] = {}
         """Requests that moved since the last step() returned (ordered, no repeats)."""
+        self.sleep_level: int | None = None
+        """The level the engine sleeps at (`sleep`), None while it is awake."""
+        self._asleep: frozenset[str] = frozenset()
+        """What still sleeps of WAKE_TAGS."""
         self._kv_events: KVEventPublisher | None = (
             kv_event_publisher(config) if config.kv_events_endpoint is not None else None
         )
@@ -116,6 +127,8 @@ class LLMEngine:
     ) -> str:
         """Queues a prompt (text or token ids); returns its id. Bad input raises ValueError."""
         params = params or SamplingParams()
+        if self.sleep_level is not None:
+            raise SleepingError(f"the engine sleeps (level {self.sleep_level}): wake it up first")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.encode(prompt)
@@ -326,6 +339,47 @@ class LLMEngine:
         self.kv.reset_prefix_cache()
         if self._kv_events is not None:
             self._kv_events.publish(self.kv.take_events())
+
+    # ------------------------------------------------------------------ sleep mode
+
+    def sleep(self, level: int = 1) -> int:
+        """vLLM's sleep mode. Level 1 gives every KV page back to the system (the weights stay in
+        host memory, from where they serve at once); level 2 also drops the weights, reloaded from
+        the model's files on waking. The KV cache's address space stays reserved: on waking it
+        maps pages on demand again. The requests must have finished (the server drains them
+        first). Returns the bytes the KV cache gave back."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: build the engine with enable_sleep_mode=True (--enable-sleep-mode)")
+        if type(level) is not int or level not in (1, 2):
+            raise ValueError(f"the sleep level must be 1 (KV cache) or 2 (KV cache and weights), got {level!r}")
+        if self.sleep_level is not None:
+            raise ValueError(f"the engine already sleeps (level {self.sleep_level}): wake it up first")
+        if self.has_unfinished():
+            raise ValueError("requests are running: sleep once they have finished, or abort them")
+        self.reset_prefix_cache()
+        released = self.kv.release_memory()
+        if level == 2:
+            self.executor.unload()
+        self.sleep_level, self._asleep = level, frozenset(WAKE_TAGS)
+        return released
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Wakes the sleeping engine (vLLM's tags: `weights`, `kv_cache`; None: both). The KV
+        cache needs nothing to wake (its pages map as requests come); `weights` reloads them after
+        level 2. The engine serves again once both are awake."""
+        tags = list(WAKE_TAGS if tags is None else tags)
+        if unknown := [tag for tag in tags if tag not in WAKE_TAGS]:
+            raise ValueError(f"unknown wake_up tags {unknown}: choose from {', '.join(WAKE_TAGS)}")
+        if self.sleep_level is None:
+            raise ValueError("the engine is awake: there is nothing to wake up")
+        if "weights" in tags and self.executor.runner is None:
+            model, _ = load_model(self._path, self.config.torch_dtype, gguf_weights=self.config.quantization == "gguf")
+            self.executor.load(model)
+            del model
+            return_freed_memory()
+        self._asleep -= set(tags)
+        if not self._asleep:
+            self.sleep_level = None
 
     def close(self) -> None:
         if self._kv_events is not None:

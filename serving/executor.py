@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from serving.kv_store import IterationBatch, KVStore
-from serving.model_loader import ModelShape
+from serving.model_loader import ModelShape, return_freed_memory
 from serving.model_runner import ModelRunner, Reduce
 
 
@@ -36,9 +36,11 @@ class ModelExecutor:
         # The weights (loaded on the CPU, in the engine's dtype) go where the KV cache is,
         # before the runner fuses copies of them there. Only the device changes: the rotary
         # table's float32 `inv_freq` keeps its precision.
-        model.to(device=kv.device)
         self.kv = kv
-        self.runner = ModelRunner(model, shape, kv.attend, quantization, reduce)
+        self.shape, self.quantization, self.reduce = shape, quantization, reduce
+        self.runner: ModelRunner | None = None
+        """None while the weights are unloaded (sleep level 2)."""
+        self.load(model)
         self.vocab_size = shape.vocab_size
         self.iterations = 0
         self.last_iteration_tokens = 0
@@ -66,12 +68,27 @@ class ModelExecutor:
         ]
         if not wanted:
             return torch.empty(0, self.vocab_size)
-        return self._to_host(self.runner.logits(hidden[torch.tensor(wanted, device=device)]))
+        return self._to_host(self._loaded().logits(hidden[torch.tensor(wanted, device=device)]))
 
     def forward(self, ids: list[int], slots: Sequence[int], new_tokens: Sequence[int]) -> tuple[Tensor, IterationBatch]:
         """Plans the iteration's attention and runs the model: hidden states and the plan."""
         attention = self.kv.plan(slots, new_tokens)
-        return self.runner.forward(torch.tensor(ids, device=self.kv.device), attention), attention
+        return self._loaded().forward(torch.tensor(ids, device=self.kv.device), attention), attention
+
+    def load(self, model: Any) -> None:
+        """Builds the runner on a loaded model, moved where the KV cache is."""
+        model.to(device=self.kv.device)
+        self.runner = ModelRunner(model, self.shape, self.kv.attend, self.quantization, self.reduce)
+
+    def unload(self) -> None:
+        """Drops the runner and with it the weights (sleep level 2), until `load`."""
+        self.runner = None
+        return_freed_memory()
+
+    def _loaded(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError("the model's weights are unloaded (asleep at level 2): wake the engine up first")
+        return self.runner
 
     def _to_host(self, logits: Tensor) -> Tensor:
         """The iteration's one device-to-host transfer: the wanted rows' float32 logits, on the KV

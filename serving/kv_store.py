@@ -78,6 +78,10 @@ class KVStore(Protocol):
 
     def reset_prefix_cache(self) -> None: ...
 
+    def release_memory(self) -> int:
+        """Gives every page no running request maps back to the system (sleep); bytes released."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -170,6 +174,9 @@ class VirtualKVStore(CacheStore):
     def reset_prefix_cache(self) -> None:
         self.cache.evict_prefix_cache()
 
+    def release_memory(self) -> int:
+        return self.cache.release_memory()
+
     def fork(self, slot: int) -> int | None:
         try:
             return self.cache.fork_reqid(slot)
@@ -203,6 +210,9 @@ class PagedKVStore(CacheStore):
     def slot_bytes(self, num_tokens: int) -> int:
         config = self.cache.config
         return config.blocks_for(num_tokens) * config.block_bytes
+
+    def release_memory(self) -> int:
+        raise ValueError("the paged baseline's blocks are allocated once, for good: it has no pages to give back")
 
 
 def make_kv_store(config: EngineConfig, shape: ModelShape, max_context: int) -> KVStore:

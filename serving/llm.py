@@ -81,6 +81,18 @@ class LLM:
         """Token ids of a conversation with the assistant's turn opened."""
         return chat_prompt_ids(self.tokenizer, messages)
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's `LLM.sleep` (needs `enable_sleep_mode=True`): level 1 gives the KV cache's pages
+        back to the system, level 2 the weights too (see LLMEngine.sleep)."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """vLLM's `LLM.wake_up`: `weights`, `kv_cache`, or both (None)."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.sleep_level is not None
+
     def close(self) -> None:
         self.engine.close()
 

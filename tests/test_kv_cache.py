@@ -162,6 +162,31 @@ def test_idle_pages_are_reclaimed_when_a_step_needs_them(make_cache: MakeCache) 
     assert cache.num_free_pages() == 20 * 8 and cache.stats().mapped_bytes == 0
 
 
+def test_release_memory_destroys_every_page_no_running_request_maps(make_cache: MakeCache) -> None:
+    """Sleep at the allocator: idle slots' pages, the prefix cache's and the pre-mapped next
+    slot's go back to the system (no page stays created but the running request's); the
+    reservations stay, so the same cache maps on demand again, and a live view's pages stay."""
+    cache = make_cache(memory_budget=20 * 8 * 4096)
+    running, idle, viewed = (cache.alloc_reqid() for _ in range(3))
+    cache.step({running: 64, idle: 160, viewed: 32})
+    cache.cache_prefix(idle, list(range(160)))
+    view = cache.kv(0, viewed)[0]
+    view.fill_(1.0)
+    cache.free_reqid(idle)
+    cache.free_reqid(viewed)
+    assert cache.wait_for_background(10)
+    held = cache.stats().pages_created
+    released = cache.release_memory()
+    stats = cache.stats()
+    kept = stats.pages_per_slot[running] + stats.pages_per_slot[viewed]
+    assert stats.pages_created == kept and released == (held - kept) * 4096
+    assert stats.cached_bytes == 0 and bool((view == 1.0).all())
+    cache.check_invariants()
+    again = cache.alloc_reqid()
+    cache.step({again: 160, running: 65})  # maps afresh, within the same budget
+    cache.check_invariants()
+
+
 def test_background_thread_reclaims_below_the_watermark(make_cache: MakeCache) -> None:
     cache = make_cache(memory_budget=20 * 8 * 4096, reclaim_watermark=0.5, eager_pages=0, lookahead_tokens=0)
     reqids = [cache.alloc_reqid() for _ in range(4)]

@@ -319,6 +319,16 @@ class CacheMachine(RuleBasedStateMachine):
         assert os.waitstatus_to_exitcode(status) == 0
 
     @rule()
+    def release_memory(self) -> None:
+        """Sleep at the allocator: every page no request or kept view maps goes back to the system
+        (the invariants then check the requests' and views' data)."""
+        global operations
+        operations += 1
+        self.cache.release_memory()
+        stats = self.cache.stats()
+        assert stats.cached_bytes == 0 and stats.pages_created * self.cache.config.page_size == stats.mapped_bytes
+
+    @rule()
     def compute(self) -> None:
         """The model's compute time: the background thread catches up."""
         assert self.cache.wait_for_background(10)

@@ -342,6 +342,20 @@ class KVCache:
                 self._pages.unmap_tail(idle)
                 self._policy.trim_prefix_cache()
 
+    def release_memory(self) -> int:
+        """Gives back to the system every page no running request maps (what vLLM's sleep does
+        to its KV cache): the prefix cache's entries go, idle slots' pages are unmapped, and the
+        free pages are destroyed. The address space stays reserved, so the cache maps pages on
+        demand again as requests come. Pages that live views hold stay. Returns bytes released."""
+        self.wait_for_background()  # no pre-mapping in flight
+        with self._lock:
+            self._check_open()
+            self._prefix.clear()
+            idle = [(s, len(s.pages)) for s in self._slots if not s.active and s.pages and not s.pinned()]
+            if idle:
+                self._pages.unmap_tail(idle)
+            return self._pool.shrink() * self.config.page_size
+
     def check_invariants(self) -> dict[int, int]:
         """Raises AssertionError unless every page's references, and every slot's pages, are
         consistent (see SlotPages.check_invariants) and the prefix cache holds no more pages

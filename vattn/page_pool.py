@@ -94,6 +94,16 @@ class PagePool:
         self.num_cache_only += (refs > 0 and cached == refs) - was_cache_only
         return refs
 
+    def shrink(self) -> int:
+        """Destroys the pages nobody references, so that their memory goes back to the system;
+        the budget is unchanged (pages are created afresh when next needed). Returns how many."""
+        pages, self._recycled = self._recycled, []
+        if pages:
+            gone = set(pages)
+            self._created = [page for page in self._created if page not in gone]
+            self._backend.release_pages(pages)
+        return len(pages)
+
     def release_all(self) -> None:
         """Frees every created page; all must be unmapped (or their reservations gone)."""
         self._backend.release_pages(self._created)

@@ -17,7 +17,7 @@ from serving.server.async_engine import AsyncEngine
 from serving.server.body_limit import BodyLimit
 from serving.server.errors import APIError, add_error_handlers
 from serving.server.metrics import ServerMetrics
-from serving.server.routes import docs_routes, public_routes, v1_routes
+from serving.server.routes import docs_routes, public_routes, sleep_routes, v1_routes
 from serving.server.settings import ServerSettings
 from vattn.sizes import KiB, MiB
 
@@ -52,6 +52,7 @@ def build_app(settings: ServerSettings) -> FastAPI:
     authorized = [Depends(_authorizer(settings.api_key))]
     app.include_router(v1_routes(engine, model_name, str(settings.engine_config.model)), dependencies=authorized)
     app.include_router(docs_routes(app), dependencies=authorized)
+    app.include_router(sleep_routes(engine), dependencies=authorized)
     return app
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from serving.config import EngineConfig
-from serving.engine import LLMEngine
+from serving.engine import LLMEngine, SleepingError
 from serving.invalid_field import STRUCTURED_OUTPUT, InvalidField
 from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
@@ -103,6 +103,9 @@ class AsyncEngine:
         self._loaded = threading.Event()
         """Set once loading has ended, well or not."""
         self._stopping = False
+        self.sleep_level: int | None = None
+        """The engine's sleep level as the event loop knows it: set before the engine sleeps (new
+        requests get 503 from then on), cleared once it is awake."""
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._subscribers: dict[str, _Subscriber] = {}
@@ -112,7 +115,8 @@ class AsyncEngine:
 
     @property
     def ready(self) -> bool:
-        return self._engine is not None and not self._stopping and self._thread.is_alive()
+        """Loaded, awake and not stopping: what /health and every request check."""
+        return self._engine is not None and not self._stopping and self._thread.is_alive() and self.sleep_level is None
 
     @property
     def vocab_size(self) -> int:
@@ -158,6 +162,9 @@ class AsyncEngine:
             ids = await asyncio.wrap_future(
                 self.call(lambda engine: self._add_group(engine, prompts, params, group, loop, arrival))
             )
+        except SleepingError as error:  # it fell asleep while the grammars compiled
+            self.num_pending -= len(prompts)
+            raise NotReadyError(str(error)) from None
         except BaseException:
             self.num_pending -= len(prompts)
             raise
@@ -176,6 +183,34 @@ class AsyncEngine:
                 raise InvalidField(
                     STRUCTURED_OUTPUT, f"structured output: compiling it took over {GRAMMAR_SECONDS:g} s"
                 ) from None
+
+    async def sleep(self, level: int) -> int:
+        """Refuses new requests from now (503), lets those in progress finish, then puts the
+        engine to sleep; returns the bytes the KV cache gave back. ValueError: sleep mode is
+        off, the level is not 1 or 2, or the engine sleeps already."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the server with --enable-sleep-mode")
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 (KV cache) or 2 (KV cache and weights), got {level}")
+        if self.sleep_level is not None:
+            raise ValueError(f"the engine already sleeps (level {self.sleep_level}): POST /wake_up first")
+        if not self.ready:
+            raise NotReadyError(self.not_ready_reason())
+        self.sleep_level = level
+        try:
+            while self.num_pending:  # in-flight requests finish first (new ones get 503 meanwhile)
+                await asyncio.sleep(0.01)
+            return await asyncio.wrap_future(self.call(lambda engine: engine.sleep(level)))
+        except BaseException:
+            self.sleep_level = None
+            raise
+
+    async def wake_up(self, tags: Sequence[str] | None) -> None:
+        """Wakes what `tags` names (None: all); serves again once nothing sleeps. ValueError: the
+        engine is awake, or a tag is unknown."""
+        if self.sleep_level is None or self._engine is None:
+            raise ValueError("the engine is awake: there is nothing to wake up")
+        self.sleep_level = await asyncio.wrap_future(self.call(lambda engine: _wake(engine, tags)))
 
     def release_pending(self, count: int) -> None:
         """Gives back the places of `count` requests that have finished or been aborted."""
@@ -203,6 +238,8 @@ class AsyncEngine:
         self._wakeup.set()
 
     def not_ready_reason(self) -> str:
+        if self.sleep_level is not None and self._engine is not None and not self._stopping:
+            return f"the engine sleeps (level {self.sleep_level}): POST /wake_up first"
         if self.load_error is not None:
             return f"the model failed to load: {self.load_error}"
         return "the server is stopping" if self._stopping else "the model is still loading"
@@ -295,6 +332,11 @@ class AsyncEngine:
         for request_id, subscriber in subscribers.items():
             engine.abort(request_id)
             _send(subscriber, error)
+
+
+def _wake(engine: LLMEngine, tags: Sequence[str] | None) -> int | None:
+    engine.wake_up(tags)
+    return engine.sleep_level
 
 
 def _send(subscriber: _Subscriber, item: tuple[int, StreamDelta] | BaseException) -> None:

@@ -228,6 +228,12 @@ def parser() -> argparse.ArgumentParser:
         "int8 (a quarter, plus a float32 scale per token and KV head, vLLM's int8_per_token_head); the "
         "ragged kernel only, with a float32 model",
     )
+    serve.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="vLLM's sleep mode: POST /sleep?level=1 gives the KV cache's pages back to the system (level 2 the "
+        "weights too), POST /wake_up brings the engine back, GET /is_sleeping says which; the virtual cache only",
+    )
     serve.add_argument("--max-queue", type=int, default=server.max_queue, help="requests that may wait; more get 429")
     serve.add_argument(
         "--max-body-size", type=size, default=size_label(server.max_body_bytes), help="largest request body"

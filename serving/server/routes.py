@@ -6,9 +6,9 @@ import asyncio
 from collections.abc import Awaitable
 from dataclasses import replace
 from importlib.metadata import version as package_version
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Query
 from fastapi import Request as HTTPRequest
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -47,9 +47,41 @@ def public_routes(engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
         return {"version": package_version("vattn")}
 
     @router.get("/get_load")
-    async def load() -> dict[str, int]:
-        """SGLang's load probe, which vllm-router's power_of_two policy polls."""
-        return {"load": metrics.load()}
+    async def load() -> dict[str, int | bool]:
+        """SGLang's load probe, which vllm-router's power_of_two policy polls (while the engine
+        sleeps, /health answers 503 and this says so)."""
+        return {"load": metrics.load(), "is_sleeping": engine.sleep_level is not None}
+
+    return router
+
+
+def sleep_routes(engine: AsyncEngine) -> APIRouter:
+    """vLLM's sleep mode: POST /sleep?level=1|2, POST /wake_up[?tags=weights&tags=kv_cache],
+    GET /is_sleeping. Requests in progress when /sleep arrives finish first; new ones get 503
+    with Retry-After until the engine is awake."""
+    router = APIRouter()
+
+    @router.post("/sleep")
+    async def sleep(level: str = "1") -> dict[str, Any]:
+        if level not in ("1", "2"):
+            raise APIError(400, f"level must be 1 (KV cache) or 2 (KV cache and weights), got {level!r}", param="level")
+        try:
+            released = await engine.sleep(int(level))
+        except ValueError as error:
+            raise APIError(400, str(error), param="level") from None
+        return {"is_sleeping": True, "level": int(level), "released_kv_bytes": released}
+
+    @router.post("/wake_up")
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, Any]:
+        try:
+            await engine.wake_up(tags)
+        except ValueError as error:
+            raise APIError(400, str(error), param="tags") from None
+        return {"is_sleeping": engine.sleep_level is not None}
+
+    @router.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": engine.sleep_level is not None}
 
     return router
 
