@@ -65,6 +65,7 @@ def cluster() -> Iterator[Cluster]:
     base = free_port_run(3)
     command = [str(VATTN), "replicas", "--replicas", "2", "--policy", "round_robin", "--port", str(base)]
     command += ["--first-replica-port", str(base + 1), "--", "--max-slots", "4", "--max-context", "512"]
+    command += ["--enable-sleep-mode"]
     launcher = subprocess.Popen([*command, "--kv-budget", "64M"], stdout=subprocess.PIPE, text=True)
     try:
         lines = read_until_ready(launcher, timeout=300)
@@ -110,6 +111,33 @@ def test_requests_flow_through_the_router_to_both_replicas(cluster: Cluster) -> 
     assert answers[0].choices[0].text.startswith(" Paris")
     served = [completed_requests(url) - earlier for url, earlier in zip(cluster.replica_urls, before, strict=True)]
     assert served == [4, 4]  # round robin
+
+
+def answered(cluster: Cluster) -> bool:
+    try:
+        client(cluster).completions.create(model=MODEL, prompt="Hello", max_tokens=1)
+    except (openai.APIError, httpx.HTTPError):
+        return False
+    return True
+
+
+def test_the_router_skips_a_sleeping_replica(cluster: Cluster) -> None:
+    """A replica put to sleep answers /health with 503: the router's health checks take it out,
+    every request goes to the other one; woken, it serves again."""
+    sleeper, awake = cluster.replica_urls
+    assert httpx.post(f"{sleeper}/sleep", params={"level": 1}, timeout=60).status_code == 200
+    deadline, streak = time.monotonic() + 60, 0
+    while streak < 4:  # the router has noticed once requests stop failing
+        assert time.monotonic() < deadline, "the router kept sending requests to the sleeping replica"
+        streak = streak + 1 if answered(cluster) else 0
+    before = completed_requests(sleeper), completed_requests(awake)
+    assert all(answered(cluster) for _ in range(6))
+    assert completed_requests(sleeper) == before[0] and completed_requests(awake) == before[1] + 6
+    assert httpx.post(f"{sleeper}/wake_up", timeout=60).json() == {"is_sleeping": False}
+    deadline = time.monotonic() + 60
+    while completed_requests(sleeper) == before[0]:  # back in the router's rotation
+        assert time.monotonic() < deadline, "the router never sent to the woken replica again"
+        assert answered(cluster)
 
 
 def test_a_replica_killed_mid_load_costs_only_the_requests_it_held(cluster: Cluster) -> None:
