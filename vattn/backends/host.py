@@ -128,6 +128,8 @@ class HostBackend(VMMBackend):
         self._reservations: dict[int, int] = {}
         self._max_pages = max_pages
         self._next_page = 0
+        self._released: list[int] = []
+        """Pool offsets whose pages were released (their memory punched out): created again first."""
         self._fd = -1
         try:
             self._fd = os.memfd_create("vattn-kv-pool", os.MFD_CLOEXEC)
@@ -149,10 +151,13 @@ class HostBackend(VMMBackend):
             raise OSError(err, f"munmap reservation: {os.strerror(err)}")
 
     def create_pages(self, count: int) -> list[int]:
-        if self._next_page + count > self._max_pages:
+        reused = min(count, len(self._released))
+        if self._next_page + count - reused > self._max_pages:
             raise ValueError(f"pool holds {self._max_pages} pages; cannot create {count} more")
-        pages = list(range(self._next_page, self._next_page + count))
-        self._next_page += count
+        pages = self._released[len(self._released) - reused :]
+        del self._released[len(self._released) - reused :]
+        pages += range(self._next_page, self._next_page + count - reused)
+        self._next_page += count - reused
         return pages
 
     def release_pages(self, pages: Sequence[int]) -> None:
@@ -161,6 +166,7 @@ class HostBackend(VMMBackend):
             if LIBC.fallocate(self._fd, mode, page * self.page_size, self.page_size) != 0:
                 err = ctypes.get_errno()
                 raise OSError(err, f"release page {page}: {os.strerror(err)}")
+            self._released.append(page)
 
     def map(self, addrs: Sequence[int], pages: Sequence[int]) -> None:
         offsets = [page * self.page_size for page in pages]
