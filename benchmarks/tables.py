@@ -122,6 +122,28 @@ def serving_ratios(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def sleep_mode(results: dict[str, Any]) -> str:
+    """Sleep and wake against a cold start: resident memory, seconds, first request after."""
+    machine = results["machine"]
+    lines = [
+        f"{machine['cpu_model']}, commit {machine['git_commit'][:7]}; `{results['command']}`; median of "
+        f"{results['args']['rounds']} rounds",
+        "",
+        "| | resident awake | asleep | woken | to sleep | to serve again | first request after |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        name = row["level"] if row["level"] == "cold start" else f"level {row['level']}"
+        memory = [
+            f"{row[k]:,.0f} MiB" if k in row else "" for k in ("rss_awake_mib", "rss_asleep_mib", "rss_woken_mib")
+        ]
+        slept = f"{row['sleep_s']:.3f} s" if "sleep_s" in row else ""
+        lines.append(
+            f"| {name} | {' | '.join(memory)} | {slept} | {row['wake_s']:.3f} s | {row['first_request_s']:.3f} s |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 EQUAL_QUALITY = {  # serving system: its label, its quality row (system, preset), its peer of the same precision
     "vattn-q8": ("vattn `q8_0`, f16 KV (Q8_0's arithmetic and KV)", ("vattn", "q8"), "llamacpp-q8_0"),
     "vattn-w8": ("vattn `int8_weight_only`", ("vattn", "w8"), "llamacpp-q8_0"),
@@ -172,6 +194,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "serving_compare_equal_precision.quality": equal_quality,
     "serving_compare": serving_compare,
     "serving_compare.ratios": serving_ratios,
+    "sleep_mode": sleep_mode,
 }
 
 
