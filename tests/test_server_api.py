@@ -32,7 +32,8 @@ def test_models_health_and_the_probes_routers_use(server: LiveServer, client: op
     assert card["max_model_len"] == server.engine.max_context and card["root"].endswith("SmolLM2-135M-Instruct")
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server.url}/version").json()["version"] == package_version("vattn")
-    assert httpx.get(f"{server.url}/get_load").json() == {"load": 0}  # vllm-router's power_of_two polls it
+    load = httpx.get(f"{server.url}/get_load").json()  # vllm-router's power_of_two polls it
+    assert load == {"load": 0, "is_sleeping": False}
 
 
 def test_completion_is_greedy_and_counts_tokens(client: openai.OpenAI) -> None:
