@@ -23,6 +23,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gguf": {"dtype": "float32", "quantization": "gguf"},
     "bf16w": {"dtype": "float32", "quantization": "bf16"},
     "bf16": {"dtype": "bfloat16"},
+    "bf16kv8": {"dtype": "bfloat16", "kv_cache_dtype": "int8"},  # a bfloat16 model over an int8 KV cache
     "default": {},  # dtype auto: bfloat16 where the CPU multiplies bf16 natively, else fp32
 }
 

@@ -718,6 +718,8 @@ void by_dtype(at::ScalarType qt, at::ScalarType kt, const F& f) {
     f.template operator()<Math, float, c10::Half>();
   } else if (qt == at::kFloat && kt == at::kChar) {
     f.template operator()<Math, float, int8_t>();
+  } else if (qt == at::kBFloat16 && kt == at::kChar) {
+    f.template operator()<Math, c10::BFloat16, int8_t>();
   } else {
     TORCH_CHECK(false, "unsupported dtypes: q ", qt, ", cache ", kt);
   }

@@ -75,8 +75,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     """The KV cache's precision (vLLM's --kv-cache-dtype): `auto` is `dtype`; `float16` (llama.cpp's
     default KV type) or `bfloat16` halve a float32 model's KV bytes, and with them the bytes a
-    decode step's attention reads. Only the ragged kernel reads a cache of another precision
-    than the model's."""
+    decode step's attention reads; `int8` a quarter (a bfloat16 model's: half). Only the ragged
+    kernel reads a cache of another precision than the model's (int8: the paged kernel too)."""
     tensor_parallel_size: int = 1
     """Ranks that split every layer's heads and MLP columns, each with its own KV cache for its
     KV heads (serving.tensor_parallel; `kv_budget` is each rank's); it must divide the KV heads."""
@@ -147,9 +147,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype in ("auto", self.dtype):
             return
-        if self.dtype != "float32":
+        if self.dtype != "float32" and not (self.dtype == "bfloat16" and self.kv_cache_dtype == "int8"):
             raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype} needs a float32 model (dtype float32); with dtype "
+                f"kv_cache_dtype {self.kv_cache_dtype} needs a float32 model (int8 also a bfloat16 one); with dtype "
                 f"{self.dtype}, use kv_cache_dtype auto"
             )
         kernel, int8 = self.attention_kernel, self.kv_cache_dtype == "int8"

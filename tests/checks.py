@@ -34,6 +34,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An int8 cache's rows as vattn stores them: per (token, kv head) of `x` [tokens, heads, dim],
     scale = max(largest magnitude / 127, 1e-6) and round(x / scale) to even, in float32."""
+    x = x.float()
     scales = torch.clamp(x.abs().amax(-1) / 127.0, min=1e-6)
     return torch.round(x / scales[..., None]).clamp(-127, 127).to(torch.int8), scales
 
@@ -45,9 +46,11 @@ def check_kernel(
     tolerance: float,
     iterations: list[dict[str, int]] = ITERATIONS,
     seed: int = 0,
+    query_dtype: torch.dtype | None = None,
 ) -> None:
     """Runs `iterations` through kernel `name` on `cache` and checks every layer's output and
-    stored K/V against float64 attention over the whole history, which the test keeps."""
+    stored K/V against float64 attention over the whole history, which the test keeps. The
+    queries and new K/V are in the cache's dtype (float32 for an int8 cache), or `query_dtype`."""
     cfg, device = cache.config, cache.device
     generator = torch.Generator(device=device).manual_seed(seed)
     kernel = (make_paged_kernel if isinstance(cache, PagedKVCache) else make_kernel)(name, cache, query_heads)
@@ -56,7 +59,7 @@ def check_kernel(
     lengths = dict.fromkeys(reqids, 0)
 
     quantized = cfg.quantized
-    model_dtype = torch.float32 if quantized else cfg.dtype
+    model_dtype = query_dtype or (torch.float32 if quantized else cfg.dtype)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(model_dtype)

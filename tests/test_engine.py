@@ -198,7 +198,7 @@ def test_a_narrower_kv_cache_cuts_the_bytes_and_keeps_the_scores(llm: LLM, kv_ca
     ("overrides", "message"),
     [
         ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of auto, float16, bfloat16, int8"),
-        ({"kv_cache_dtype": "int8", "dtype": "bfloat16"}, "needs a float32 model"),
+        ({"kv_cache_dtype": "int8", "dtype": "float16"}, r"needs a float32 model \(int8 also a bfloat16 one\)"),
         ({"kv_cache_dtype": "int8", "kernel": "sdpa"}, "int8 is read only by the ragged and paged kernels"),
         ({"kv_cache_dtype": "int8", "kv_cache": "paged", "kernel": "paged_gather"}, "runs paged_gather"),
         ({"dtype": "int8"}, "dtype must be one of auto, float16, bfloat16, float32"),

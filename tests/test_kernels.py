@@ -60,6 +60,12 @@ def test_ragged_kernel_reads_and_writes_an_int8_cache(make_cache: MakeCache, lay
     check_kernel("ragged", make_cache(dtype="int8"), query_heads=8, tolerance=1e-5, iterations=long_context)
 
 
+def test_ragged_kernel_reads_an_int8_cache_with_bfloat16_queries(make_cache: MakeCache) -> None:
+    """A bfloat16 model over an int8 KV cache: rows quantized from the bf16 K/V, attention within
+    bf16's rounding."""
+    check_kernel("ragged", make_cache(dtype="int8"), query_heads=8, tolerance=2e-2, query_dtype=torch.bfloat16)
+
+
 def test_kernels_that_cannot_read_int8_refuse_it_when_made(make_cache: MakeCache) -> None:
     cache = make_cache(dtype="int8")
     for name in [n for n in KERNELS if n != "ragged"]:

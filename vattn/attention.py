@@ -154,7 +154,8 @@ class AttentionKernel(ABC):
             "v": (v, (batch.num_tokens, cfg.num_kv_heads, cfg.head_dim)),
         }
         narrower = self.reads_narrower_cache or self.reads_int8_cache
-        dtypes = {torch.float32} if cfg.dtype == torch.int8 else {cfg.dtype, torch.float32} if narrower else {cfg.dtype}
+        int8 = {torch.float32, torch.bfloat16}  # an int8 cache's queries (vattn's CPU kernels read both)
+        dtypes = int8 if cfg.dtype == torch.int8 else {cfg.dtype, torch.float32} if narrower else {cfg.dtype}
         for name, (tensor, shape) in expected.items():
             if tuple(tensor.shape) != shape or tensor.dtype not in dtypes or tensor.device != self.cache.device:
                 raise ValueError(

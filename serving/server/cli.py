@@ -226,7 +226,7 @@ def parser() -> argparse.ArgumentParser:
         choices=KV_CACHE_DTYPES,
         help="KV cache precision: auto (as --dtype), float16 or bfloat16 (half a float32 model's KV bytes), "
         "int8 (a quarter, plus a float32 scale per token and KV head, vLLM's int8_per_token_head); the "
-        "ragged kernel only, with a float32 model",
+        "ragged kernel only, with a float32 model (int8 also with a bfloat16 one)",
     )
     serve.add_argument(
         "--enable-sleep-mode",
