@@ -130,6 +130,7 @@ def single_prefill(system: list[int], questions: list[list[int]]) -> list[dict[s
     rows = []
     for name, _, match in CONFIGS[1:]:
         llm = LLM(
+            dtype="float32",
             max_slots=4,
             max_context=len(system) + 64,
             kv_budget=256 * MiB,
@@ -154,7 +155,13 @@ def single_prefill(system: list[int], questions: list[list[int]]) -> list[dict[s
 
 def beam_forks(prompt: list[int], width: int = 4, max_tokens: int = 16) -> dict[str, Any]:
     """Bytes beam search's forks shared (mapped) and copied, on 64 KiB pages."""
-    llm = LLM(max_slots=8, max_context=len(prompt) + max_tokens + 1, kv_budget=256 * MiB, prefix_caching=False)
+    llm = LLM(
+        dtype="float32",
+        max_slots=8,
+        max_context=len(prompt) + max_tokens + 1,
+        kv_budget=256 * MiB,
+        prefix_caching=False,
+    )
     llm.beam_search([prompt], beam_width=width, max_tokens=max_tokens, use_tqdm=False)
     stats = llm.engine.stats().kv
     llm.close()
@@ -204,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     runs += [(workload, f"on, share {share}", True, "token", share) for workload in workloads for share in sweep]
     for workload, name, caching, match, share in tqdm(runs, desc="runs"):
         llm = LLM(
+            dtype="float32",
             max_slots=16,
             max_context=longest,
             kv_budget=384 * MiB,

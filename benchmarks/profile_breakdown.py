@@ -70,7 +70,7 @@ def decode_rows(config: str, batch: int, context: int, steps: int, top: int) -> 
 
 
 def prefill_rows(prompt_tokens: int, top: int) -> list[dict[str, Any]]:
-    llm = LLM(max_slots=2, max_context=prompt_tokens + 8, prefix_caching=False)
+    llm = LLM(dtype="float32", max_slots=2, max_context=prompt_tokens + 8, prefix_caching=False)
     ids = long_prompt(llm, prompt_tokens)
     params = SamplingParams(max_tokens=1, temperature=0)
     llm.generate([ids], params, use_tqdm=False)  # warm
