@@ -337,9 +337,7 @@ class KVCache:
         those of slots that live views still hold."""
         with self._lock:
             self._check_open()
-            idle = [(s, len(s.pages)) for s in self._slots if not s.active and s.pages and not s.pinned()]
-            if idle:
-                self._pages.unmap_tail(idle)
+            if self._unmap_idle():
                 self._policy.trim_prefix_cache()
 
     def release_memory(self) -> int:
@@ -351,9 +349,7 @@ class KVCache:
         with self._lock:
             self._check_open()
             self._prefix.clear()
-            idle = [(s, len(s.pages)) for s in self._slots if not s.active and s.pages and not s.pinned()]
-            if idle:
-                self._pages.unmap_tail(idle)
+            self._unmap_idle()
             return self._pool.shrink() * self.config.page_size
 
     def check_invariants(self) -> dict[int, int]:
@@ -394,6 +390,13 @@ class KVCache:
         self.close()
 
     # ---------------------------------------------------------------- internals
+
+    def _unmap_idle(self) -> bool:
+        """Unmaps every idle slot's pages but those of slots live views hold; whether any went."""
+        idle = [(s, len(s.pages)) for s in self._slots if not s.active and s.pages and not s.pinned()]
+        if idle:
+            self._pages.unmap_tail(idle)
+        return bool(idle)
 
     def _require_quantized(self) -> None:
         if not self.config.quantized:

@@ -187,11 +187,10 @@ class AsyncEngine:
     async def sleep(self, level: int) -> int:
         """Refuses new requests from now (503), lets those in progress finish, then puts the
         engine to sleep; returns the bytes the KV cache gave back. ValueError: sleep mode is
-        off, the level is not 1 or 2, or the engine sleeps already."""
+        off or the engine sleeps already (checked before draining), or the engine's own refusal
+        (a level other than 1 or 2)."""
         if not self.config.enable_sleep_mode:
             raise ValueError("sleep mode is off: start the server with --enable-sleep-mode")
-        if level not in (1, 2):
-            raise ValueError(f"level must be 1 (KV cache) or 2 (KV cache and weights), got {level}")
         if self.sleep_level is not None:
             raise ValueError(f"the engine already sleeps (level {self.sleep_level}): POST /wake_up first")
         if not self.ready:
