@@ -96,7 +96,7 @@ repro: setup
 # transformers, tokenizers, cuda-bindings), as CPython 3.12 x86-64 wheels in .whl/ (about 7 MiB),
 # at the versions this venv tests; benchmarks/gpu_suite.sh installs them there with --no-index.
 GPU_WHEELS := fastapi starlette pydantic pydantic-core annotated-types annotated-doc typing-inspection \
-	typing-extensions uvicorn llguidance msgspec pyzmq
+	typing-extensions uvicorn llguidance msgspec pyzmq opentelemetry-api
 GPU_PLATFORMS := $(foreach n,17 24 26 27 28 31 34 35,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
 gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl

@@ -15,7 +15,9 @@
 # that gets only summary.txt and gpu_results.tgz (which holds all of OUT and the results under
 # paper_repro/results/): the device tool brings back 8 files at most; PYTHON (default
 # .venv/bin/python when there is one, else python3, the GPU image's, which has torch);
-# WHEELS, the folder of wheels to install first (default .whl); FAKE_GPU=1.
+# WHEELS, the folder of wheels to install first (default .whl); FAKE_GPU=1; ONLY, the steps to run
+# (comma-separated names from the list below; the rest are recorded as not asked), for a rerun of
+# what failed on what is left of the quarter hour, e.g. ONLY=wheels,serve after a built native library.
 #
 # The steps, in the order of what they tell; each has its own limit in seconds, cut to what is
 # left of the budget, and a step with under 10 seconds left is skipped, so the run always ends
@@ -76,6 +78,10 @@ left() { # seconds left of the budget, keeping 10 to pack up
 step() { # name limit log command...: runs it with the output also in $out/<log>, within its limit
     local name=$1 limit=$2 log=$3 code
     shift 3
+    if [[ -n ${ONLY:-} && " ${ONLY//,/ } " != *" $name "* ]]; then
+        record "$name" "not asked (ONLY=$ONLY)"
+        return 0
+    fi
     local remaining cut=0
     remaining=$(left)
     ((remaining < limit)) && limit=$remaining cut=1
