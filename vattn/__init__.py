@@ -3,6 +3,7 @@
 from vattn.config import KVCacheConfig
 from vattn.errors import CapacityError, ConfigurationError, OutOfPagesError, OutOfSlotsError, UnavailableError
 from vattn.kv_cache import KVCache
+from vattn.page_budget import PageBudget
 from vattn.stats import CacheStats
 
 __all__ = [
@@ -13,5 +14,6 @@ __all__ = [
     "KVCacheConfig",
     "OutOfPagesError",
     "OutOfSlotsError",
+    "PageBudget",
     "UnavailableError",
 ]

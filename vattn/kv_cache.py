@@ -15,6 +15,7 @@ from vattn.config import KVCacheConfig
 from vattn.errors import OutOfPagesError, OutOfSlotsError
 from vattn.mapper import BackgroundMapper
 from vattn.memory import CacheMemory, Lease
+from vattn.page_budget import PageBudget
 from vattn.page_policy import PagePolicy
 from vattn.page_pool import PagePool
 from vattn.prefix_cache import ROOT, CacheEvent, PrefixCache, token_ids
@@ -36,13 +37,17 @@ class KVCache:
     Views follow torch's storage rule (see vattn.memory): memory a live view can reach is
     never unmapped, never handed to another request and never reused by another cache,
     whatever is called meanwhile (free_reqid, step, release_idle, close, fork).
+
+    Several caches (of any shapes) can share one `PageBudget`: together they never hold more
+    than its bytes of pages, and one that needs pages takes the idle ones of the others (see
+    PageBudget).
     """
 
-    def __init__(self, config: KVCacheConfig) -> None:
+    def __init__(self, config: KVCacheConfig, budget: PageBudget | None = None) -> None:
         self.config = config
         self.backend: VMMBackend = make_backend(config)
         self._slots = [Slot(i) for i in range(config.max_slots)]
-        self._pool = PagePool(self.backend, config.pool_pages)
+        self._pool = PagePool(self.backend, config.pool_pages, budget, config.page_size)
         self._prefix = PrefixCache(self._pool, config.record_events)
         memory = CacheMemory(config, self.backend, self._slots, self._pool)
         whole, self._layers, self._scales = memory.open()
@@ -56,8 +61,12 @@ class KVCache:
         self._pages = SlotPages(
             config, self.backend, self._pool, memory.bases, memory.scratch, memory.stranded, self._counters
         )
-        self._policy = PagePolicy(config, self._slots, self._pool, self._prefix, self._pages)
+        self._budget = budget
+        borrow = self._borrow if budget else None
+        self._policy = PagePolicy(config, self._slots, self._pool, self._prefix, self._pages, borrow)
         self._closed = False
+        if budget:
+            budget.join(id(self), self._lend)
         self._mapper = BackgroundMapper(weakref.WeakMethod(self._work_ahead)) if config.background else None
         self._stop_mapper = weakref.finalize(self, self._mapper.close) if self._mapper else None
         _LIVE_CACHES.add(self)
@@ -323,7 +332,7 @@ class KVCache:
                 return False
             targets = [(slot, num_tokens), *self._validated_lengths(growing or {})]
             missing = sum(max(0, cfg.pages_for(n) - len(s.pages)) for s, n in targets) * cfg.num_buffers
-            return missing <= self._policy.available_pages({s.index: len(s.pages) for s, _ in targets})
+            return missing <= self._policy.borrowed_available(missing, {s.index: len(s.pages) for s, _ in targets})
 
     # ---------------------------------------------------------------- reporting, lifetime
 
@@ -375,6 +384,8 @@ class KVCache:
             if self._closed:
                 return
             self._closed = True
+        if self._budget:
+            self._budget.leave(id(self))
         if self._stop_mapper:
             self._stop_mapper()
         self._layers.clear()
@@ -397,6 +408,25 @@ class KVCache:
         if idle:
             self._pages.unmap_tail(idle)
         return bool(idle)
+
+    def _borrow(self, pages: int) -> None:
+        """Asks the budget's other caches for `pages` of this cache's pages' bytes (lock held)."""
+        assert self._budget is not None
+        self._budget.reclaim(pages * self.config.page_size, id(self))
+
+    def _lend(self, nbytes: int) -> int:
+        """Gives back up to `nbytes` (rounded up to pages) of idle pages to the shared budget,
+        unless this cache is busy: another cache asks while holding its own lock, and waiting
+        here could deadlock. Returns the bytes given back."""
+        if not self._lock.acquire(blocking=False):
+            return 0
+        try:
+            if self._closed:
+                return 0
+            pages = -(-nbytes // self.config.page_size)
+            return self._policy.lend(pages) * self.config.page_size
+        finally:
+            self._lock.release()
 
     def _require_quantized(self) -> None:
         if not self.config.quantized:
@@ -461,7 +491,10 @@ class KVCache:
         with self._lock:
             if self._closed:
                 return False
-            addrs = self._policy.background_batch()
+            try:
+                addrs = self._policy.background_batch()
+            except OutOfPagesError:  # another cache on the budget took the pages first
+                return False
         if addrs is None:
             return False
         if addrs:  # outside the lock: a page unmapped meanwhile just ends the batch early

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from vattn.config import KVCacheConfig
 from vattn.errors import OutOfPagesError
@@ -22,13 +22,21 @@ class PagePolicy:
     """The cache's decisions over its slots, pool and prefix cache; the caller holds its lock."""
 
     def __init__(
-        self, config: KVCacheConfig, slots: Sequence[Slot], pool: PagePool, prefix: PrefixCache, pages: SlotPages
+        self,
+        config: KVCacheConfig,
+        slots: Sequence[Slot],
+        pool: PagePool,
+        prefix: PrefixCache,
+        pages: SlotPages,
+        borrow: Callable[[int], object] | None = None,
     ) -> None:
         self.config = config
         self.slots = slots
         self.pool = pool
         self.prefix = prefix
         self.pages = pages
+        self.borrow = borrow
+        """On a shared budget: asks the other caches to give back that many pages' bytes."""
 
     def next_free_slot(self) -> Slot | None:
         """The slot alloc_reqid hands out next: most pages mapped, then lowest index."""
@@ -65,22 +73,41 @@ class PagePolicy:
         return self.pool.num_free + sum(count == self.pool.refs(page) for page, count in drops.items())
 
     def make_room(self, needed: int, keep: Mapping[int, int]) -> None:
-        """Frees pages until `needed` are free, or raises OutOfPagesError having changed nothing."""
+        """Frees pages until `needed` are free, or raises OutOfPagesError having changed nothing
+        here. On a shared budget, what this cache cannot free itself is asked of the others."""
         if self.pool.num_free >= needed:
             return
-        available = self.available_pages(keep)
+        available = self.borrowed_available(needed, keep)
         if available < needed:
             raise OutOfPagesError(needed, available)
         self.reclaim(needed, keep, for_step=True)
+
+    def borrowed_available(self, needed: int, keep: Mapping[int, int]) -> int:
+        """`available_pages`, after asking the budget's other caches for what it lacks of `needed`."""
+        available = self.available_pages(keep)
+        if available < needed and self.borrow:
+            self.borrow(needed - available)
+            available = self.available_pages(keep)
+        return available
+
+    def lend(self, count: int) -> int:
+        """Destroys up to `count` pages for another cache on the budget: free ones first, then
+        what reclaiming for a step would take, but never a page an active slot maps. Returns
+        how many were destroyed."""
+        if self.pool.num_recycled < count:
+            keep = {slot.index: len(slot.pages) for slot in self.slots if slot.active}
+            self.reclaim(self.pool.num_creatable + count, keep, for_step=True)
+        return self.pool.shrink(count)
 
     def reclaim(self, target_free: int, keep: Mapping[int, int], for_step: bool) -> bool:
         """Takes reclaimable pages in order until the pool has `target_free` free; returns
         whether anything went. A first pass spares prefix-cache entries that would free
         nothing (their pages still mapped in a slot); a second takes whatever is left."""
         done = False
+        goal = target_free - self.pool.num_creatable  # in recycled pages: others may create meanwhile
         for sparing in (True, False):
             for action in self.reclaimable(keep, for_step):
-                deficit = target_free - self.pool.num_free
+                deficit = goal - self.pool.num_recycled
                 if deficit <= 0:
                     return done
                 if isinstance(action, CachedUnit):

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from vattn.backends.base import VMMBackend
+from vattn.errors import OutOfPagesError
+from vattn.page_budget import PageBudget
 
 
 class PagePool:
@@ -17,12 +19,19 @@ class PagePool:
     time (what bounding the cache's footprint needs, see PagePolicy.trim_prefix_cache). A page nobody
     references goes back on a LIFO free list: on the host a recycled page is already
     faulted in, several times cheaper to map and touch than a fresh one. Pages are created
-    lazily, so a cache costs nothing physical until it maps.
+    lazily, so a cache costs nothing physical until it maps. With a `budget` shared with other
+    pools, a page is created only if its bytes fit in what they leave.
     """
 
-    def __init__(self, backend: VMMBackend, capacity: int) -> None:
+    def __init__(
+        self, backend: VMMBackend, capacity: int, budget: PageBudget | None = None, page_size: int = 0
+    ) -> None:
+        if budget is not None and page_size <= 0:
+            raise ValueError("a pool on a shared budget needs its page size")
         self._backend = backend
         self.capacity = capacity
+        self.budget = budget
+        self.page_size = page_size
         self._recycled: list[int] = []
         self._created: list[int] = []
         self._refs: dict[int, int] = {}
@@ -35,8 +44,18 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
-        """Pages nobody references: recycled ones plus those not created yet."""
-        return len(self._recycled) + self.capacity - len(self._created)
+        """Pages nobody references: recycled ones plus those that could be created now."""
+        return len(self._recycled) + self.num_creatable
+
+    @property
+    def num_recycled(self) -> int:
+        return len(self._recycled)
+
+    @property
+    def num_creatable(self) -> int:
+        """Pages not created yet that this pool's capacity and the shared budget allow."""
+        uncreated = self.capacity - len(self._created)
+        return min(uncreated, self.budget.free // self.page_size) if self.budget else uncreated
 
     @property
     def num_created(self) -> int:
@@ -51,11 +70,12 @@ class PagePool:
         return refs > 0 and self._cache_refs.get(page, 0) == refs
 
     def take(self, count: int) -> list[int]:
-        """`count` free pages, each now referenced once."""
+        """`count` free pages, each now referenced once; OutOfPagesError (nothing taken) if they
+        are not free, as when another pool on the budget took its last bytes first."""
         if count > self.num_free:
-            raise ValueError(f"asked for {count} pages, {self.num_free} free")
+            raise OutOfPagesError(count, self.num_free)
         recycled = min(count, len(self._recycled))
-        fresh = self._backend.create_pages(count - recycled) if count > recycled else []
+        fresh = self._create(count - recycled) if count > recycled else []
         self._created.extend(fresh)  # created first: if creating fails, nothing was taken
         pages = self._recycled[len(self._recycled) - recycled :] + fresh
         del self._recycled[len(self._recycled) - recycled :]
@@ -94,21 +114,39 @@ class PagePool:
         self.num_cache_only += (refs > 0 and cached == refs) - was_cache_only
         return refs
 
-    def shrink(self) -> int:
-        """Destroys the pages nobody references, so that their memory goes back to the system;
-        the budget is unchanged (pages are created afresh when next needed). Returns how many."""
-        pages, self._recycled = self._recycled, []
+    def _create(self, count: int) -> list[int]:
+        nbytes = count * self.page_size
+        if self.budget and not self.budget.claim(nbytes):
+            raise OutOfPagesError(count, self.num_free)
+        try:
+            return self._backend.create_pages(count)
+        except BaseException:
+            if self.budget:
+                self.budget.release(nbytes)
+            raise
+
+    def shrink(self, limit: int | None = None) -> int:
+        """Destroys pages nobody references (all, or the `limit` least recently freed), so that
+        their memory goes back to the system and to a shared budget; the capacity is unchanged
+        (pages are created afresh when next needed). Returns how many."""
+        count = len(self._recycled) if limit is None else min(limit, len(self._recycled))
+        pages, self._recycled = self._recycled[:count], self._recycled[count:]
         if pages:
             gone = set(pages)
             self._created = [page for page in self._created if page not in gone]
-            self._backend.release_pages(pages)
+            self._destroy(pages)
         return len(pages)
 
     def release_all(self) -> None:
         """Frees every created page; all must be unmapped (or their reservations gone)."""
-        self._backend.release_pages(self._created)
+        self._destroy(self._created)
         self._created.clear()
         self._recycled.clear()
         self._refs.clear()
         self._cache_refs.clear()
         self.num_cache_only = 0
+
+    def _destroy(self, pages: list[int]) -> None:
+        self._backend.release_pages(pages)
+        if self.budget:
+            self.budget.release(len(pages) * self.page_size)

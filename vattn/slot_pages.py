@@ -186,10 +186,11 @@ class SlotPages:
         problems = [
             *(f"page {p} has {pool.refs(p)} references, not {n}" for p, n in references.items() if pool.refs(p) != n),
             *(
-                [f"{len(references)} referenced + {pool.num_free} free pages != {pool.capacity}"]
-                if len(references) + pool.num_free != pool.capacity
+                [f"{len(references)} referenced + {pool.num_recycled} recycled pages != {pool.num_created} created"]
+                if len(references) + pool.num_recycled != pool.num_created
                 else []
             ),
+            *([f"{pool.num_created} pages created, over {pool.capacity}"] if pool.num_created > pool.capacity else []),
             *(
                 [f"{pool.num_cache_only} pages counted as held by the prefix cache only, not {cache_only}"]
                 if pool.num_cache_only != cache_only
