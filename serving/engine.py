@@ -40,7 +40,7 @@ from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler, assign_fork_parents
 from serving.stop_strings import find_stop, held_back
 from serving.structured_output import GrammarCompiler, GrammarError, advance
-from vattn import CacheStats
+from vattn import CacheStats, PageBudget
 
 if TYPE_CHECKING:
     from serving.kv_events import KVEventPublisher
@@ -74,8 +74,12 @@ class LLMEngine:
     executor_type: type[ModelExecutor] = ModelExecutor
     """The compute path; a subclass may stand in its own."""
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, page_budget: PageBudget | None = None) -> None:
+        """`page_budget`: one bound shared with other engines' KV caches (several models under
+        one KV budget); each engine's own `kv_budget` still bounds it alone."""
         self.config = config = config or EngineConfig()
+        if page_budget is not None and config.tensor_parallel_size > 1:
+            raise ValueError("several models on one KV budget run without tensor parallelism")
         if config.kv_events_endpoint is not None:  # msgspec and pyzmq: imported only when asked for, before the model
             from serving.kv_events import kv_event_publisher
         self._path = path = config.model or ensure_default_model()
@@ -94,7 +98,7 @@ class LLMEngine:
             mirrored, self.executor, self._followers = tensor_parallel.rank_zero(config, model, shape, self.max_context)
             self.kv = mirrored  # type: ignore[assignment]
         else:
-            self.kv = make_kv_store(config, shape, self.max_context)
+            self.kv = make_kv_store(config, shape, self.max_context, page_budget)
             try:
                 self.executor = self.executor_type(model, shape, self.kv, config.quantization)
             except BaseException:

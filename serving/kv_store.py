@@ -16,7 +16,7 @@ from torch import Tensor
 
 from serving.config import EngineConfig
 from serving.model_loader import ModelShape
-from vattn import CacheStats, KVCache, KVCacheConfig
+from vattn import CacheStats, KVCache, KVCacheConfig, PageBudget
 from vattn.errors import CapacityError
 from vattn.kernels import make_kernel
 from vattn.paged import PagedKVCache, PagedKVCacheConfig, make_paged_kernel
@@ -137,7 +137,9 @@ class CacheStore:
 class VirtualKVStore(CacheStore):
     """vattn's KVCache: each slot's KV virtually contiguous, attention by an unmodified kernel."""
 
-    def __init__(self, config: EngineConfig, shape: ModelShape, max_context: int) -> None:
+    def __init__(
+        self, config: EngineConfig, shape: ModelShape, max_context: int, page_budget: PageBudget | None = None
+    ) -> None:
         cache_config = KVCacheConfig(
             num_layers=shape.num_layers,
             num_kv_heads=shape.num_kv_heads,
@@ -153,7 +155,7 @@ class VirtualKVStore(CacheStore):
             record_events=config.kv_events_endpoint is not None,
             background=config.tensor_parallel_size == 1,  # ranks map synchronously: the same decisions
         )
-        cache = KVCache(cache_config)
+        cache = KVCache(cache_config, page_budget)
         super().__init__(cache, make_kernel(config.attention_kernel, cache, shape.num_query_heads))
         self._prefix_caching = bool(config.prefix_caching)
 
@@ -215,9 +217,17 @@ class PagedKVStore(CacheStore):
         raise ValueError("the paged baseline's blocks are allocated once, for good: it has no pages to give back")
 
 
-def make_kv_store(config: EngineConfig, shape: ModelShape, max_context: int) -> KVStore:
-    """The KV store `config.kv_cache` names; ValueError if its budget cannot hold one full request."""
-    store = (VirtualKVStore if config.kv_cache == "virtual" else PagedKVStore)(config, shape, max_context)
+def make_kv_store(
+    config: EngineConfig, shape: ModelShape, max_context: int, page_budget: PageBudget | None = None
+) -> KVStore:
+    """The KV store `config.kv_cache` names, drawing on `page_budget` if several models share one
+    (the virtual cache only); ValueError if its budget cannot hold one full request."""
+    if page_budget is not None and config.kv_cache != "virtual":
+        raise ValueError("several models on one KV budget need the virtual KV cache (kv_cache='virtual')")
+    if config.kv_cache == "virtual":
+        store: KVStore = VirtualKVStore(config, shape, max_context, page_budget)
+    else:
+        store = PagedKVStore(config, shape, max_context)
     if (full_request := store.slot_bytes(max_context)) > config.kv_budget:
         store.close()
         raise ValueError(

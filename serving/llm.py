@@ -13,16 +13,20 @@ from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.outputs import BeamSearchOutput, RequestOutput, StreamDelta
 from serving.sampling_params import BeamSearchParams, SamplingParams
+from vattn import PageBudget
 from vattn.validate import is_int
 
 Prompt = str | list[int]
 
 
 class LLM:
-    """A model on the vattn engine. Keyword arguments are EngineConfig fields."""
+    """A model on the vattn engine. Keyword arguments are EngineConfig fields; `page_budget`, one
+    `vattn.PageBudget` for several LLMs, bounds their KV caches' pages together."""
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", **engine: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine))
+    def __init__(
+        self, model: str | None = None, dtype: str = "auto", page_budget: PageBudget | None = None, **engine: Any
+    ) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine), page_budget)
         self.tokenizer = self.engine.tokenizer
 
     def generate(

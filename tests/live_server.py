@@ -78,7 +78,8 @@ def live_server(wait_ready: bool = True, **overrides: Any) -> Iterator[LiveServe
             assert thread.is_alive(), "uvicorn did not start"
             threading.Event().wait(0.05)
         if wait_ready:
-            assert engine.wait_ready(120), f"the model did not load: {engine.load_error}"
+            for each in app.state.engines.values():
+                assert each.wait_ready(120), f"the model did not load: {each.load_error}"
         yield LiveServer(f"http://127.0.0.1:{port}", engine, settings, app)
     finally:
         server.should_exit = True

@@ -135,3 +135,20 @@ def test_serve_logs_ready_and_answers_on_loopback(kv_cache: str, announced: str)
         server.terminate()
         assert server.wait(60) in (0, -signal.SIGTERM)  # uvicorn shuts down, then re-raises the signal
     assert "Finished server process" in server.stdout.read()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "synthetic:tiny", "--model", "synthetic:paper", "--kv-cache", "paged"], "virtual KV cache only"),
+        (["--model", "synthetic:tiny", *["--served-model-name", "a"] * 2], "2 --served-model-name"),
+        (["--model", "synthetic:tiny", "--model", "no/such/folder"], "no such safetensors folder"),
+        (["--model", "synthetic:tiny", "--model", "synthetic:tiny"], "two models are served under one name"),
+    ],
+)
+def test_bad_sets_of_models_exit_with_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

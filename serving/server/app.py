@@ -19,46 +19,62 @@ from serving.server.errors import APIError, add_error_handlers
 from serving.server.metrics import ServerMetrics
 from serving.server.routes import docs_routes, public_routes, sleep_routes, v1_routes
 from serving.server.settings import ServerSettings
+from vattn import PageBudget
 from vattn.sizes import KiB, MiB
 
 log = logging.getLogger("vattn.serve")
 
 
 def build_app(settings: ServerSettings) -> FastAPI:
-    """The app; its lifespan starts the engine thread (the model loads while /health says 503)."""
+    """The app; its lifespan starts the engine threads (the models load while /health says 503).
+    Several models get an engine each, their KV caches drawing on one PageBudget of kv_budget
+    bytes; ValueError if two share a served name."""
     if settings.engine_config.model is None:
         from serving.default_model import ensure_default_model
 
         settings = replace(settings, engine_config=replace(settings.engine_config, model=str(ensure_default_model())))
-    model_name = settings.model_name or Path(str(settings.engine_config.model)).name.removesuffix(".gguf")
+    served = [(str(settings.engine_config.model), settings.model_name), *settings.more_models]
+    configs = {name or _served_name(model): replace(settings.engine_config, model=model) for model, name in served}
+    if len(configs) < len(served):
+        raise ValueError(f"two models are served under one name: {[name or _served_name(m) for m, name in served]}")
     metrics = ServerMetrics(settings.engine_config.max_context)
-    engine = AsyncEngine(settings.engine_config, settings.max_pending, metrics)
+    budget = PageBudget(settings.engine_config.kv_budget) if len(configs) > 1 else None
+    engines = {name: AsyncEngine(config, settings.max_pending, metrics, budget) for name, config in configs.items()}
+    engine = next(iter(engines.values()))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        announce = asyncio.create_task(_announce_ready(engine, model_name, settings))
+        for each in engines.values():
+            each.start()
+        announce = [asyncio.create_task(_announce_ready(e, name, settings)) for name, e in engines.items()]
         yield
-        announce.cancel()
-        await asyncio.to_thread(engine.stop)
+        for task in announce:
+            task.cancel()
+        await asyncio.gather(*(asyncio.to_thread(each.stop) for each in engines.values()))
 
     # the docs are served by docs_routes, behind the API key
     app = FastAPI(title="vattn", version="0.1.0", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.engine = engine
+    app.state.engines = engines
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.trusted_hosts)  # outermost: checked first
     add_error_handlers(app)
-    app.include_router(public_routes(engine, metrics))
+    app.include_router(public_routes(engines, metrics))
     authorized = [Depends(_authorizer(settings.api_key))]
-    app.include_router(v1_routes(engine, model_name, str(settings.engine_config.model)), dependencies=authorized)
+    app.include_router(v1_routes(engines), dependencies=authorized)
     app.include_router(docs_routes(app), dependencies=authorized)
-    app.include_router(sleep_routes(engine), dependencies=authorized)
+    app.include_router(sleep_routes(engines), dependencies=authorized)
     return app
+
+
+def _served_name(model: str) -> str:
+    """A model's default served name: its folder's (or .gguf file's) name."""
+    return Path(model).name.removesuffix(".gguf")
 
 
 async def _announce_ready(engine: AsyncEngine, model_name: str, settings: ServerSettings) -> None:
     if await asyncio.to_thread(engine.wait_ready):
-        config = settings.engine_config
+        config = engine.config
         cache = (
             f"virtual KV cache, {config.page_size // KiB} KiB pages, prefix caching "
             + ("on" if config.prefix_caching else "off")

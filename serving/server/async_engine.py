@@ -27,6 +27,7 @@ from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
 from serving.server.errors import NotReadyError, OverloadedError, request_failed
 from serving.server.metrics import ServerMetrics
+from vattn import PageBudget
 
 log = logging.getLogger("vattn.serve")
 T = TypeVar("T")
@@ -89,8 +90,11 @@ class RequestGroup:
 class AsyncEngine:
     """LLMEngine behind a thread. `max_pending` bounds accepted, unfinished requests."""
 
-    def __init__(self, config: EngineConfig, max_pending: int, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, config: EngineConfig, max_pending: int, metrics: ServerMetrics, page_budget: PageBudget | None = None
+    ) -> None:
         self.config = config
+        self.page_budget = page_budget
         self.max_pending = max_pending
         self.metrics = metrics
         self._engine: LLMEngine | None = None
@@ -270,7 +274,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            engine = LLMEngine(self.config)
+            engine = LLMEngine(self.config, self.page_budget)
             self.tokenizer = copy.deepcopy(engine.tokenizer)
             self.metrics.update(engine.stats())
             self._engine = engine

@@ -116,10 +116,16 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model (vLLM's positional form)")
     serve.add_argument(
         "--model",
+        action="append",
         help="safetensors folder, .gguf file, or synthetic:NAME, a random-weight model built on the spot (NAME: "
-        f"{', '.join(SYNTHETIC_MODELS)}) (default: SmolLM2-135M-Instruct)",
+        f"{', '.join(SYNTHETIC_MODELS)}) (default: SmolLM2-135M-Instruct). Repeated: several models in one "
+        "server, each an engine with the other options, their KV caches sharing one --kv-budget",
     )
-    serve.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's own)")
+    serve.add_argument(
+        "--served-model-name",
+        action="append",
+        help="the name clients send as `model` (default: the model's own); repeated, one per --model in order",
+    )
     serve.add_argument(
         "--dtype",
         default="auto",
@@ -327,16 +333,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = cli.parse_args(argv)
     if args.command == "replicas":
         sys.exit(replicas_main(cli, args))
+    models: list[str] = args.model or []
     if args.model_tag is not None:
-        if args.model is not None and args.model != args.model_tag:
-            cli.error(f"the model is given twice, as {args.model_tag!r} and --model {args.model!r}")
-        args.model = args.model_tag
+        if models and models[0] != args.model_tag:
+            cli.error(f"the model is given twice, as {args.model_tag!r} and --model {models[0]!r}")
+        models = models or [args.model_tag]
+    names: list[str] = args.served_model_name or []
+    if len(names) > max(len(models), 1):
+        cli.error(f"{len(names)} --served-model-name for {len(models)} --model: give one per model, in order")
+    for model in models:
+        if problem := _model_problem(model):
+            cli.error(problem)
+    if len(models) > 1 and args.kv_cache != "virtual":
+        cli.error("several models share one --kv-budget on the virtual KV cache only: drop --kv-cache paged")
+    if len(models) > 1 and args.tensor_parallel_size > 1:
+        cli.error("several models in one server run without tensor parallelism: drop --tensor-parallel-size")
+    args.model = models[0] if models else None
+    more_models = tuple(zip(models[1:], names[1:] + [None] * len(models), strict=False))
     for name, value in (args.kv_events_config or {}).items():
         if getattr(args, name) not in (None, "", value):
             cli.error(f"--kv-events-config and --{name.replace('_', '-')} disagree")
         setattr(args, name, value)
-    if args.model is not None and (problem := _model_problem(args.model)):
-        cli.error(problem)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.api_key:
         log.warning("--api-key shows in `ps` to every user of this machine: use $VATTN_API_KEY or --api-key-file")
@@ -359,7 +376,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     settings = ServerSettings(
         engine_config=engine_config,
-        model_name=args.served_model_name,
+        model_name=names[0] if names else None,
+        more_models=more_models,
         # $VATTN_API_KEY is not a default: --help would print it
         api_key=args.api_key or args.api_key_file or os.environ.get("VATTN_API_KEY"),
         max_queue=args.max_queue,
@@ -371,7 +389,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         host=args.host,
         port=args.port,
     )
-    app = build_app(settings)
+    try:
+        app = build_app(settings)
+    except ValueError as exc:
+        cli.error(str(exc))
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, **uvicorn_options(settings)))
     engine = app.state.engine
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from dataclasses import replace
 from importlib.metadata import version as package_version
 from typing import Annotated, Any, TypeVar
@@ -27,16 +27,23 @@ from serving.server.responses import ChatCompletions, Completions, ResponseShape
 T = TypeVar("T")
 
 
-def public_routes(engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
+Engines = Mapping[str, AsyncEngine]
+"""The served models' engines by the name clients send as `model`."""
+
+
+def public_routes(engines: Engines, metrics: ServerMetrics) -> APIRouter:
     """/health, /metrics, /version and /get_load: open even when an API key is set (as in
-    vLLM), for the probes of load balancers and routers (vllm-router, SMG)."""
+    vLLM), for the probes of load balancers and routers (vllm-router, SMG). With several
+    models the server is healthy while one serves and every other serves or sleeps."""
     router = APIRouter()
 
     @router.get("/health")
     async def health() -> JSONResponse:
-        if engine.ready:
+        awake = [engine for engine in engines.values() if engine.sleep_level is None]
+        if awake and all(engine.ready for engine in awake):
             return JSONResponse({"status": "ok"})
-        return error_response(503, engine.not_ready_reason(), "service_unavailable")
+        blocking = next((e for e in awake if not e.ready), next(iter(engines.values())))
+        return error_response(503, blocking.not_ready_reason(), "service_unavailable")
 
     @router.get("/metrics")
     async def prometheus() -> Response:
@@ -50,40 +57,61 @@ def public_routes(engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
     async def load() -> dict[str, int | bool]:
         """SGLang's load probe, which vllm-router's power_of_two policy polls (while the engine
         sleeps, /health answers 503 and this says so)."""
-        return {"load": metrics.load(), "is_sleeping": engine.sleep_level is not None}
+        return {"load": metrics.load(), "is_sleeping": all(e.sleep_level is not None for e in engines.values())}
 
     return router
 
 
-def sleep_routes(engine: AsyncEngine) -> APIRouter:
+def sleep_routes(engines: Engines) -> APIRouter:
     """vLLM's sleep mode: POST /sleep?level=1|2, POST /wake_up[?tags=weights&tags=kv_cache],
-    GET /is_sleeping. Requests in progress when /sleep arrives finish first; new ones get 503
-    with Retry-After until the engine is awake."""
+    GET /is_sleeping, each for every model or the one `model` names. Requests in progress when
+    /sleep arrives finish first; new ones get 503 with Retry-After until the engine is awake.
+    A sleeping model's KV pages go back to the budget the other models share."""
     router = APIRouter()
 
     @router.post("/sleep")
-    async def sleep(level: str = "1") -> dict[str, Any]:
+    async def sleep(level: str = "1", model: str | None = None) -> dict[str, Any]:
         if level not in ("1", "2"):
             raise APIError(400, f"level must be 1 (KV cache) or 2 (KV cache and weights), got {level!r}", param="level")
-        try:
-            released = await engine.sleep(int(level))
-        except ValueError as error:
-            raise APIError(400, str(error), param="level") from None
+        released = 0
+        for engine in _engines_named(engines, model):
+            try:
+                released += await engine.sleep(int(level))
+            except ValueError as error:
+                raise APIError(400, str(error), param="level") from None
         return {"is_sleeping": True, "level": int(level), "released_kv_bytes": released}
 
     @router.post("/wake_up")
-    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, Any]:
-        try:
-            await engine.wake_up(tags)
-        except ValueError as error:
-            raise APIError(400, str(error), param="tags") from None
-        return {"is_sleeping": engine.sleep_level is not None}
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None, model: str | None = None) -> dict[str, Any]:
+        chosen = _engines_named(engines, model)
+        if model is None and len(engines) > 1:
+            chosen = [engine for engine in chosen if engine.sleep_level is not None] or chosen
+        for engine in chosen:
+            try:
+                await engine.wake_up(tags)
+            except ValueError as error:
+                raise APIError(400, str(error), param="tags") from None
+        return {"is_sleeping": any(engine.sleep_level is not None for engine in chosen)}
 
     @router.get("/is_sleeping")
-    async def is_sleeping() -> dict[str, bool]:
-        return {"is_sleeping": engine.sleep_level is not None}
+    async def is_sleeping(model: str | None = None) -> dict[str, bool]:
+        return {"is_sleeping": all(engine.sleep_level is not None for engine in _engines_named(engines, model))}
 
     return router
+
+
+def _engines_named(engines: Engines, model: str | None) -> list[AsyncEngine]:
+    """The engine `model` names (404 if none), or every engine."""
+    if model is None:
+        return list(engines.values())
+    return [_engine_for(engines, model)]
+
+
+def _engine_for(engines: Engines, model: str) -> AsyncEngine:
+    if (engine := engines.get(model)) is None:
+        served = ", ".join(repr(name) for name in engines)
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served}", param="model")
+    return engine
 
 
 def docs_routes(app: FastAPI) -> APIRouter:
@@ -105,18 +133,23 @@ def docs_routes(app: FastAPI) -> APIRouter:
     return router
 
 
-def v1_routes(engine: AsyncEngine, model_name: str, model_path: str) -> APIRouter:
+def v1_routes(engines: Engines) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
-        """vLLM's model card: routers read `root` as the model's path and `max_model_len`."""
-        card = {"id": model_name, "object": "model", "created": now(), "owned_by": "vattn", "root": model_path}
-        return {"object": "list", "data": [{**card, "parent": None, "max_model_len": engine.max_context}]}
+        """vLLM's model cards: routers read `root` as the model's path and `max_model_len`."""
+        cards = [
+            {"id": name, "object": "model", "created": now(), "owned_by": "vattn", "root": str(engine.config.model)}
+            | {"parent": None, "max_model_len": engine.max_context}
+            for name, engine in engines.items()
+        ]
+        return {"object": "list", "data": cards}
 
     @router.post("/completions", response_model=None)
     async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
-        _check_common(body, model_name, engine)
+        engine = _check_common(body, engines)
+        model_name = body.model
         try:
             prompts = body.prompt_ids(engine.tokenizer, engine.vocab_size)
             params = [body.sampling_params(len(p), engine.max_context, body.max_tokens, body.logprobs) for p in prompts]
@@ -130,7 +163,8 @@ def v1_routes(engine: AsyncEngine, model_name: str, model_path: str) -> APIRoute
 
     @router.post("/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
-        _check_common(body, model_name, engine)
+        engine = _check_common(body, engines)
+        model_name = body.model
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -160,19 +194,16 @@ def v1_routes(engine: AsyncEngine, model_name: str, model_path: str) -> APIRoute
     return router
 
 
-def _check_common(body: SamplingFields, model_name: str, engine: AsyncEngine) -> None:
-    """Checks both endpoints make before anything else: model, readiness, combinations of fields."""
-    _check_model(body.model, model_name)
+def _check_common(body: SamplingFields, engines: Engines) -> AsyncEngine:
+    """Checks both endpoints make before anything else: model, readiness, combinations of
+    fields; returns the engine of the model asked for."""
+    engine = _engine_for(engines, body.model)
     _ready(engine)
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of other than n is not supported", param="best_of")
-
-
-def _check_model(requested: str, served: str) -> None:
-    if requested != served:
-        raise APIError(404, f"the model {requested!r} does not exist; this server serves {served!r}", param="model")
+    return engine
 
 
 def _ready(engine: AsyncEngine) -> None:

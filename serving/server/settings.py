@@ -18,6 +18,9 @@ class ServerSettings:
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     model_name: str | None = None
     """The name clients send as `model`; by default the model folder's (or file's) name."""
+    more_models: tuple[tuple[str, str | None], ...] = ()
+    """Further models served beside engine_config's, as (model, served name or None), each with
+    engine_config's other settings; all their KV caches share one kv_budget."""
     api_key: str | None = None
     """When set, every route but /health and /metrics (probes, scrapers: open as in vLLM) needs `Bearer <api_key>`."""
     max_queue: int = 256

@@ -1,0 +1,99 @@
+"""Several models in one server, their KV caches on one budget: the default model beside
+`synthetic:tiny`, a random-weight model built on the spot. Two real models would double the
+suite's load time for nothing more: what must differ is the cache's shape (30 layers of 3 KV
+heads against 4 layers of 2), and the engines, tokenizers and routes, which they do."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from serving import LLM, SamplingParams
+from serving.engine import LLMEngine
+from tests.live_server import MODEL, LiveServer, live_server, openai_client
+from vattn import PageBudget
+from vattn.sizes import MiB
+
+TINY = "tiny"
+BUDGET = 16 * MiB
+"""The default model's 256 tokens need 15 MiB of it (64 KiB pages, 60 K and V buffers of 85
+tokens each), a tiny model's request of 200 tokens 1 MiB."""
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with live_server(more_models=(("synthetic:tiny", TINY),), kv_budget=BUDGET, enable_sleep_mode=True) as running:
+        yield running
+
+
+def cache_pages(server: LiveServer, name: str) -> tuple[int, PageBudget]:
+    """(pages the model's cache has created, the budget it draws on), read on its engine thread."""
+
+    def read(engine: LLMEngine) -> tuple[int, PageBudget]:
+        cache = engine.kv.cache
+        cache.wait_for_background()
+        budget = cache._pool.budget
+        assert budget is not None
+        return cache.stats().pages_created, budget
+
+    return server.app.state.engines[name].call(read).result(60)
+
+
+def test_the_model_field_picks_the_engine_and_models_lists_both(server: LiveServer) -> None:
+    client = openai_client(server)
+    assert [card.id for card in client.models.list().data] == [MODEL, TINY]
+    for name in (MODEL, TINY):
+        answer = client.completions.create(model=name, prompt="The lighthouse", max_tokens=8, temperature=0)
+        assert answer.model == name and answer.usage.completion_tokens == 8
+    with pytest.raises(openai.NotFoundError, match=r"the model 'gpt-4' does not exist; this server serves"):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+
+
+def test_one_budget_bounds_both_and_a_busy_model_takes_an_idle_ones_pages(server: LiveServer) -> None:
+    client = openai_client(server)
+    client.completions.create(model=MODEL, prompt="word " * 200, max_tokens=4, temperature=0)  # 11.25 MiB
+    default_pages, budget = cache_pages(server, MODEL)
+    tiny_budget = cache_pages(server, TINY)[1]
+    assert tiny_budget is budget and budget.limit == BUDGET and budget.used <= BUDGET
+    assert default_pages > 0  # kept mapped while the model idles (deferred reclamation)
+    batch = client.completions.create(model=TINY, prompt=["word " * 60] * 8, max_tokens=16, temperature=0)  # 8 MiB
+    assert len(batch.choices) == 8  # the tiny model's burst takes what the idle one held
+    default_after, _ = cache_pages(server, MODEL)
+    assert default_after < default_pages and budget.used <= BUDGET, (default_pages, default_after)
+
+
+def test_a_sleeping_model_gives_its_pages_back_while_the_other_serves(server: LiveServer) -> None:
+    client = openai_client(server)
+    client.completions.create(model=MODEL, prompt="word " * 200, max_tokens=4, temperature=0)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        slept = http.post("/sleep", params={"level": 1, "model": MODEL})
+        assert slept.status_code == 200, slept.text
+        assert cache_pages(server, MODEL)[0] == 0
+        assert http.get("/is_sleeping", params={"model": MODEL}).json() == {"is_sleeping": True}
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}  # not every model sleeps
+        assert http.get("/health").status_code == 200  # the tiny model still serves
+        asleep = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert asleep.status_code == 503 and "Retry-After" in asleep.headers
+        assert client.completions.create(model=TINY, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        assert http.post("/sleep", params={"level": 1, "model": "gpt-4"}).status_code == 404
+        assert http.post("/wake_up", params={"model": MODEL}).status_code == 200
+        assert http.post("/wake_up", params={"model": MODEL}).status_code == 400  # awake already
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_llms_share_a_page_budget_through_the_python_api() -> None:
+    budget = PageBudget(8 * MiB)
+    sizes = {"max_slots": 4, "max_context": 256, "kv_budget": 8 * MiB, "page_budget": budget}
+    first, second = LLM("synthetic:tiny", dtype="float32", **sizes), LLM("synthetic:tiny", dtype="float32", **sizes)
+    try:
+        greedy = SamplingParams(max_tokens=8, temperature=0)
+        outputs = [llm.generate(["a b c d"] * 4, greedy, use_tqdm=False) for llm in (first, second)]
+        assert [o.text for o in outputs[0]] == [o.text for o in outputs[1]]
+        assert first.engine.kv.cache._pool.budget is budget and budget.used <= budget.limit
+    finally:
+        first.close()
+        second.close()
+    assert budget.used == 0
