@@ -24,6 +24,7 @@ from typing import Any
 
 from benchmarks.offline_compare import comparisons, round_speeds
 from measure.results import REPO_ROOT, RESULTS_DIR
+from vattn.sizes import MiB
 
 READMES = (REPO_ROOT / "README.md", REPO_ROOT / "benchmarks" / "README.md")
 BLOCK = re.compile(r"(<!-- generated: (\S+) -->\n)(.*?)(<!-- end generated -->)", re.DOTALL)
@@ -144,6 +145,26 @@ def sleep_mode(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def shared_budget(results: dict[str, Any]) -> str:
+    """Two models in bursts: one shared KV budget against a static split, median (range) of the rounds."""
+    machine = results["machine"]
+    lines = [
+        f"{machine['cpu_model']}, commit {machine['git_commit'][:7]}; `{results['command']}`; "
+        f"{results['budget_bytes'] / MiB:.0f} MiB of KV; median (range) of {results['args']['rounds']} rounds",
+        "",
+        "| KV budget | requests/s | TTFT p50 | TTFT p99 |",
+        "|---|---|---|---|",
+    ]
+    names = {"shared": "one budget, shared", "static": "split in half"}
+    for row in results["rows"]:
+        cells = [
+            f"{row[f'{metric}_median']:.2f}{unit} ({row[f'{metric}_min']:.2f}-{row[f'{metric}_max']:.2f})"
+            for metric, unit in (("requests_per_s", ""), ("ttft_p50_s", " s"), ("ttft_p99_s", " s"))
+        ]
+        lines.append(f"| {names[row['mode']]} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
+
+
 EQUAL_QUALITY = {  # serving system: its label, its quality row (system, preset), its peer of the same precision
     "vattn-q8": ("vattn `q8_0`, f16 KV (Q8_0's arithmetic and KV)", ("vattn", "q8"), "llamacpp-q8_0"),
     "vattn-w8": ("vattn `int8_weight_only`", ("vattn", "w8"), "llamacpp-q8_0"),
@@ -195,6 +216,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "serving_compare": serving_compare,
     "serving_compare.ratios": serving_ratios,
     "sleep_mode": sleep_mode,
+    "shared_budget": shared_budget,
 }
 
 
