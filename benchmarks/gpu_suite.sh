@@ -28,6 +28,8 @@
 #   gpu           is there a GPU? (none: the suite stops here, status 0 unless a step failed)
 #   kernels 180   each GPU kernel built and run once in bfloat16 and float16, in a process of
 #                 its own (benchmarks.gpu_probe): kernels.jsonl, with build and first-call seconds
+#   sdpa 60       torch SDPA's backend choice and first-call cost at new lengths, cuDNN allowed,
+#                 excluded (as the engine calls it) and alone (benchmarks.gpu_sdpa_backends)
 #   model 150     the random-weight models (nothing to download) generating on CUDA through
 #                 vattn's own pages, every cache and kernel, against a CPU float32 run
 #                 (benchmarks.gpu_model_check): model_check.json
@@ -231,6 +233,11 @@ probe_all() {
 }
 export -f probe_all
 step kernels 180 kernels.log probe_all
+if ((fake)); then
+    stub sdpa "backend choices and timings need the device"
+else
+    step sdpa 60 sdpa_backends.log "$PYTHON" -m benchmarks.gpu_sdpa_backends --out "$out/sdpa_backends.json"
+fi
 
 # --- the model on CUDA, and served ----------------------------------------------------------
 if ((fake)); then

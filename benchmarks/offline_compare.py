@@ -53,6 +53,7 @@ from measure.results import (
 )
 from measure.workloads import engine_options, random_word_prompts
 from serving.default_model import ensure_default_model
+from serving.synthetic_model import build_tokenizer, is_synthetic, synthetic_spec
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -102,12 +103,13 @@ DEFAULTS = ("vattn-default", "openvino-defaults")
 """vattn's defaults (dtype auto) and OpenVINO's: what a user who starts each gets."""
 
 
-def vattn_round(config: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+def vattn_round(config: str, prompts: list[list[int]], max_tokens: int, model: str | None) -> dict[str, Any]:
     """One round in this (child) process: build, warm up on one prompt, generate every prompt."""
     from serving import LLM, SamplingParams
 
     longest = max(map(len, prompts)) + max_tokens
-    llm = LLM(max_slots=len(prompts), max_context=longest, prefix_caching=False, **engine_options(config))
+    options = engine_options(config) | ({"model": model} if model else {})
+    llm = LLM(max_slots=len(prompts), max_context=longest, prefix_caching=False, **options)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         llm.generate(prompts[:1], params, use_tqdm=False)
@@ -151,12 +153,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--systems", default=",".join(s.name for s in SYSTEMS))
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--model",
+        help="vattn's model (default: the default model); e.g. synthetic:smollm2, its shape with random weights, "
+        "where its weights cannot travel (OpenVINO's IRs stay the default model's)",
+    )
     args = parser.parse_args(argv)
     known = {s.name: s for s in SYSTEMS}
     unknown = [name for name in args.systems.split(",") if name not in known]
     if unknown:
         parser.error(f"unknown systems {unknown}; known: {', '.join(known)}")
     args.systems = [known[name] for name in args.systems.split(",")]
+    if args.model and any(system.ir for system in args.systems):
+        parser.error("--model runs vattn's systems only (--systems vattn-...): OpenVINO's IRs are the default model's")
     return args
 
 
@@ -175,7 +184,7 @@ def measure(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, lis
         for _, system in tqdm(runs, desc="rounds"):
             if system.vattn_config:
                 with spawn.Pool(1) as pool:
-                    result = pool.apply(vattn_round, (system.vattn_config, prompts, args.max_tokens))
+                    result = pool.apply(vattn_round, (system.vattn_config, prompts, args.max_tokens, args.model))
             else:
                 result = openvino_round(system, prompts_file, args.max_tokens, args.threads)
             rounds[system.name].append(result)
@@ -243,13 +252,17 @@ def versions() -> dict[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    if args.model and is_synthetic(args.model):
+        tokenizer = build_tokenizer(synthetic_spec(args.model).vocab_size)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(args.model or ensure_default_model())
     words = random_word_prompts(args.prompts, args.shortest, args.longest, seed=0)
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in words]
     rounds = measure(args, prompts)
     rows = tabulate(args.systems, rounds)
     ratios = comparisons(rows)
-    workload = {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_tokens": args.max_tokens}
+    workload = {"model": args.model or "default", "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts))}
+    workload["max_tokens"] = args.max_tokens
     workload |= {"rounds": args.rounds, "threads": args.threads}
     payload = {"command": command_line(), "machine": machine_facts(), "workload": workload, "rows": rows}
     payload["comparisons"] = ratios

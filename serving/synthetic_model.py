@@ -74,6 +74,18 @@ SYNTHETIC_MODELS = {
         vocab_size=8192,
         max_position=32768,
     ),
+    # The default model's shape (SmolLM2-135M: 30 layers, 9 query heads over 3 KV heads of 64,
+    # 49,152 tokens): its speed where its weights cannot travel (a lent GPU machine's host CPU).
+    "smollm2": SyntheticModel(
+        num_layers=30,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_query_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        max_position=8192,
+    ),
 }
 
 
@@ -189,13 +201,15 @@ def byte_level_alphabet() -> list[str]:
 
 def byte_level_merges(count: int) -> list[tuple[str, str]]:
     """`count` BPE merges made up in a fixed order: a letter after a space or a letter ("Ġt",
-    "he"), then a lower-case letter after each of those ("Ġth", "her"). English-looking text
+    "he"), then a lower-case letter after each of those ("Ġth", "her"), then after each of
+    those ("Ġthe", "here"). English-looking text
     takes ~2 characters a token; any text still round-trips byte by byte."""
     space = byte_level_alphabet()[ord(" ")]
     lower, upper = string.ascii_lowercase, string.ascii_uppercase
     pairs = [(a, b) for a in (space, *lower, *upper) for b in lower] + [(space, b) for b in upper]
     triples = [(a + b, c) for a, b in pairs for c in lower]
-    merges = (pairs + triples)[:count]
+    quadruples = [(a + b, c) for a, b in triples[: max(0, count - len(pairs) - len(triples))] for c in lower]
+    merges = (pairs + triples + quadruples)[:count]
     if len(merges) < count:
         raise ValueError(f"a vocabulary of {count} merges is more than this tokenizer makes up ({len(merges)})")
     return merges

@@ -9,6 +9,7 @@ unmapped page.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vattn.kv_cache import KVCache
 from vattn.memory import Lease
@@ -192,6 +194,12 @@ def kernel_classes() -> list[type[AttentionKernel]]:
     return found
 
 
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""SDPA's CUDA backends for serving, cuDNN's left out: cuDNN builds a graph for every new
+sequence length (hundreds of ms each, PyTorch's own first-call cost), and a server sees a new
+length with nearly every prompt."""
+
+
 def sdpa_request(query: Tensor, keys: Tensor, values: Tensor, length: int, scale: float) -> Tensor:
     """torch SDPA for one request: `query` [new, heads, dim] at the last `new` of `length`
     positions over its `[length, kv_heads, dim]` keys and values; returns [new, heads, dim].
@@ -211,13 +219,15 @@ def sdpa_request(query: Tensor, keys: Tensor, values: Tensor, length: int, scale
         # masked GQA call falls to the math backend ([heads, new, length] scores in memory):
         # expanded heads let memory-efficient attention take it.
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    attended = F.scaled_dot_product_attention(
-        query.transpose(0, 1).unsqueeze(0),
-        keys.transpose(0, 1).unsqueeze(0),
-        values.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        is_causal=whole and new > 1,
-        scale=scale,
-        enable_gqa=query.shape[1] != keys.shape[1],
-    )
+    backends = sdpa_kernel(CUDA_SDPA_BACKENDS) if query.device.type == "cuda" else contextlib.nullcontext()
+    with backends:
+        attended = F.scaled_dot_product_attention(
+            query.transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=whole and new > 1,
+            scale=scale,
+            enable_gqa=query.shape[1] != keys.shape[1],
+        )
     return attended.squeeze(0).transpose(0, 1)
