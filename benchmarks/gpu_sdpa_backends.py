@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("no GPU: this probe measures torch's CUDA SDPA backends")
-    F.scaled_dot_product_attention(*tensors(16, 16))  # CUDA's own start-up, outside every row
+    F.scaled_dot_product_attention(*tensors(16, 16), enable_gqa=True)  # CUDA's own start-up, outside every row
     facts = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
     args.out.write_text(json.dumps({"facts": facts, "rows": measure(args.lengths)}, indent=1))
 

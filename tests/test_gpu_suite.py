@@ -22,7 +22,20 @@ import pytest
 from benchmarks.gpu_probe import untested
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ["build", "versions", "gpu", "kernels", "model", "serve", "cuda", "decode", "prefill", "fake", "allocation"]
+STEPS = [
+    "build",
+    "versions",
+    "gpu",
+    "kernels",
+    "sdpa",
+    "model",
+    "serve",
+    "cuda",
+    "decode",
+    "prefill",
+    "fake",
+    "allocation",
+]
 
 
 def run_suite(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], list[list[str]], float]:
@@ -49,6 +62,7 @@ def test_the_whole_suite_runs_through_on_the_fakes_inside_its_budget(tmp_path: P
         assert steps[step] == "ok", (step, steps[step])
     assert steps["gpu"].startswith("gpu fake GPU")
     assert steps["model"].startswith("stubbed (FAKE_GPU)")
+    assert steps["sdpa"].startswith("stubbed (FAKE_GPU)")
     assert seconds < 400 and int(summary[-1][1].rstrip("s")) < 400
 
     probes = {(p["kernel"], p["dtype"]): p for p in map(json.loads, (tmp_path / "out/kernels.jsonl").open())}
