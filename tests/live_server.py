@@ -11,9 +11,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import openai
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
@@ -50,6 +52,22 @@ class LiveServer:
             return cache.num_free_slots(), cache.num_free_pages(), cache.stats().pool_pages
 
         return self.on_engine(release)
+
+
+def metric_values(url: str, model: str | None = None) -> dict[str, float]:
+    """The server's /metrics by sample, `name{label="value",...}` (labels sorted, model_name left
+    out): one model's samples, or by default the sum over every model's."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            if model is not None and labels.get("model_name") != model:
+                continue
+            labels.pop("model_name", None)
+            shown = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+            key = f"{sample.name}{{{shown}}}" if shown else sample.name
+            values[key] = values.get(key, 0.0) + sample.value
+    return values
 
 
 def openai_client(server: LiveServer, api_key: str = "unused") -> openai.OpenAI:

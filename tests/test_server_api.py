@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.live_server import MODEL, LiveServer, live_server, openai_client
+from tests.live_server import MODEL, LiveServer, live_server, metric_values, openai_client
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -132,6 +132,7 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
 def test_metrics_show_requests_tokens_and_the_allocator(server: LiveServer, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     text = httpx.get(f"{server.url}/metrics").text
+    assert f'vllm:num_requests_running{{model_name="{MODEL}"}}' in text  # labelled as vLLM labels its own
     for name in (
         "vattn:num_requests_running",
         "vattn:num_requests_waiting",
@@ -150,8 +151,8 @@ def test_metrics_show_requests_tokens_and_the_allocator(server: LiveServer, clie
         'vattn:kv_pages_taken_total{kind="fresh"}',
         "vattn:engine_iterations_total",
     ):
-        assert name in text, name
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+        assert name.split("{")[0] in text, name
+    values = metric_values(server.url)
     assert values["vattn:generation_tokens_total"] >= 4 and values["vattn:kv_mapped_bytes"] > 0
     assert values["vattn:engine_iterations_total"] >= 4 and values['vattn:kv_pages_taken_total{kind="fresh"}'] > 0
     # vLLM's names for the same figures, for dashboards made for vLLM
@@ -224,8 +225,7 @@ def test_a_repeated_prompt_prefix_is_reported_cached(caching: bool) -> None:
         hit = first.usage.prompt_tokens - 1 if caching else 0
         assert second.usage.prompt_tokens_details.cached_tokens == hit
         assert second.choices[0].text == first.choices[0].text
-        text = httpx.get(f"{running.url}/metrics").text
-        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[0] != "#"}
+        values = metric_values(running.url)
         assert values["vattn:prefix_cache_hits_total"] == hit
         assert values["vattn:prefix_cache_queries_total"] == (2 * first.usage.prompt_tokens if caching else 0)
 

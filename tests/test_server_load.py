@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.live_server import MODEL, LiveServer, live_server
+from tests.live_server import MODEL, LiveServer, live_server, metric_values
 from vattn.sizes import MiB
 
 REQUESTS, CONCURRENCY = 200, 32
@@ -24,10 +24,7 @@ def server() -> Iterator[LiveServer]:
 
 
 def metric(server: LiveServer, name: str) -> float:
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split(" ")[1])
-    return 0.0
+    return metric_values(server.url).get(name, 0.0)
 
 
 def test_200_requests_at_concurrency_32_all_complete(server: LiveServer) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from serving import LLM, SamplingParams
 from serving.engine import LLMEngine
-from tests.live_server import MODEL, LiveServer, live_server, openai_client
+from tests.live_server import MODEL, LiveServer, live_server, metric_values, openai_client
 from vattn import PageBudget
 from vattn.sizes import MiB
 
@@ -97,3 +97,20 @@ def test_llms_share_a_page_budget_through_the_python_api() -> None:
         first.close()
         second.close()
     assert budget.used == 0
+
+
+def test_metrics_carry_each_models_name(server: LiveServer) -> None:
+    before = {name: metric_values(server.url, name) for name in (MODEL, TINY)}
+    openai_client(server).completions.create(model=TINY, prompt="The lighthouse", max_tokens=5, temperature=0)
+    after = {name: metric_values(server.url, name) for name in (MODEL, TINY)}
+
+    def grew(name: str, metric: str) -> float:
+        return after[name].get(metric, 0.0) - before[name].get(metric, 0.0)
+
+    for metric in ("vllm:generation_tokens_total", "vattn:generation_tokens_total"):
+        assert grew(TINY, metric) == 5 and grew(MODEL, metric) == 0, metric
+    assert grew(TINY, 'vllm:request_success_total{finished_reason="length"}') == 1
+    assert grew(MODEL, "vattn:engine_iterations_total") == 0 < grew(TINY, "vattn:engine_iterations_total")
+    for name in (MODEL, TINY):  # each engine's own snapshot, not the last one to update
+        assert after[name]["vattn:kv_pool_pages"] > 0 and after[name]["vllm:num_requests_running"] == 0
+    assert after[MODEL]["vattn:kv_mapped_bytes"] != after[TINY]["vattn:kv_mapped_bytes"]

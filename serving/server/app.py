@@ -37,9 +37,11 @@ def build_app(settings: ServerSettings) -> FastAPI:
     configs = {name or _served_name(model): replace(settings.engine_config, model=model) for model, name in served}
     if len(configs) < len(served):
         raise ValueError(f"two models are served under one name: {[name or _served_name(m) for m, name in served]}")
-    metrics = ServerMetrics(settings.engine_config.max_context)
+    metrics = ServerMetrics(max(config.max_context for config in configs.values()))
     budget = PageBudget(settings.engine_config.kv_budget) if len(configs) > 1 else None
-    engines = {name: AsyncEngine(config, settings.max_pending, metrics, budget) for name, config in configs.items()}
+    engines = {
+        name: AsyncEngine(config, settings.max_pending, metrics.model(name), budget) for name, config in configs.items()
+    }
     engine = next(iter(engines.values()))
 
     @asynccontextmanager

@@ -26,7 +26,7 @@ from serving.invalid_field import STRUCTURED_OUTPUT, InvalidField
 from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
 from serving.server.errors import NotReadyError, OverloadedError, request_failed
-from serving.server.metrics import ServerMetrics
+from serving.server.metrics import ModelMetrics
 from vattn import PageBudget
 
 log = logging.getLogger("vattn.serve")
@@ -91,7 +91,7 @@ class AsyncEngine:
     """LLMEngine behind a thread. `max_pending` bounds accepted, unfinished requests."""
 
     def __init__(
-        self, config: EngineConfig, max_pending: int, metrics: ServerMetrics, page_budget: PageBudget | None = None
+        self, config: EngineConfig, max_pending: int, metrics: ModelMetrics, page_budget: PageBudget | None = None
     ) -> None:
         self.config = config
         self.page_budget = page_budget
