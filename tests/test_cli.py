@@ -144,6 +144,13 @@ def test_serve_logs_ready_and_answers_on_loopback(kv_cache: str, announced: str)
         (["--model", "synthetic:tiny", *["--served-model-name", "a"] * 2], "2 --served-model-name"),
         (["--model", "synthetic:tiny", "--model", "no/such/folder"], "no such safetensors folder"),
         (["--model", "synthetic:tiny", "--model", "synthetic:tiny"], "two models are served under one name"),
+        (["--model", "synthetic:tiny", "--model-config", "tiny={}"], "names 'tiny', which is not served"),
+        (["--model", "synthetic:tiny", "--model-config", "synthetic:tiny=[1]"], "must be a JSON object"),
+        (["--model", "synthetic:tiny", "--model-config", "synthetic:tiny={"], "not JSON"),
+        (["--model", "synthetic:tiny", "--model-config", "{}"], "give NAME=JSON"),
+        (["--model", "synthetic:tiny", "--model-config", 'synthetic:tiny={"kv_budget": 1}'], "the same for every"),
+        (["--model", "synthetic:tiny", "--model-config", 'synthetic:tiny={"slots": 1}'], "no option slots"),
+        (["--model", "synthetic:tiny", "--model-config", 'synthetic:tiny={"dtype": "x"}'], "dtype must be one of"),
     ],
 )
 def test_bad_sets_of_models_exit_with_a_message(

@@ -25,7 +25,13 @@ tokens each), a tiny model's request of 200 tokens 1 MiB."""
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    with live_server(more_models=(("synthetic:tiny", TINY),), kv_budget=BUDGET, enable_sleep_mode=True) as running:
+    tiny_options = {"max_slots": 12, "max_context": 512}  # its own, where the default model's are 8 and 256
+    with live_server(
+        more_models=(("synthetic:tiny", TINY),),
+        model_options=((TINY, tiny_options),),
+        kv_budget=BUDGET,
+        enable_sleep_mode=True,
+    ) as running:
         yield running
 
 
@@ -50,6 +56,16 @@ def test_the_model_field_picks_the_engine_and_models_lists_both(server: LiveServ
         assert answer.model == name and answer.usage.completion_tokens == 8
     with pytest.raises(openai.NotFoundError, match=r"the model 'gpt-4' does not exist; this server serves"):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+
+
+def test_each_model_runs_with_its_own_options(server: LiveServer) -> None:
+    engines = server.app.state.engines
+    assert (engines[MODEL].config.max_slots, engines[TINY].config.max_slots) == (8, 12)
+    assert {card.id: card.max_model_len for card in openai_client(server).models.list().data} == {MODEL: 256, TINY: 512}
+    long = openai_client(server).completions.create(model=TINY, prompt="word " * 100, max_tokens=4, temperature=0)
+    assert long.usage.prompt_tokens > 256 and long.usage.completion_tokens == 4  # past the default model's context
+    with pytest.raises(openai.BadRequestError):
+        openai_client(server).completions.create(model=MODEL, prompt="word " * 300, max_tokens=4)
 
 
 def test_one_budget_bounds_both_and_a_busy_model_takes_an_idle_ones_pages(server: LiveServer) -> None:

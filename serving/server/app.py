@@ -7,18 +7,19 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from serving.config import EngineConfig
 from serving.server.async_engine import AsyncEngine
 from serving.server.body_limit import BodyLimit
 from serving.server.errors import APIError, add_error_handlers
 from serving.server.metrics import ServerMetrics
 from serving.server.routes import docs_routes, public_routes, sleep_routes, v1_routes
-from serving.server.settings import ServerSettings
+from serving.server.settings import SHARED_OPTIONS, ServerSettings
 from vattn import PageBudget
 from vattn.sizes import KiB, MiB
 
@@ -33,14 +34,12 @@ def build_app(settings: ServerSettings) -> FastAPI:
         from serving.default_model import ensure_default_model
 
         settings = replace(settings, engine_config=replace(settings.engine_config, model=str(ensure_default_model())))
-    served = [(str(settings.engine_config.model), settings.model_name), *settings.more_models]
-    configs = {name or _served_name(model): replace(settings.engine_config, model=model) for model, name in served}
-    if len(configs) < len(served):
-        raise ValueError(f"two models are served under one name: {[name or _served_name(m) for m, name in served]}")
+    configs = _model_configs(settings)
     metrics = ServerMetrics(max(config.max_context for config in configs.values()))
     budget = PageBudget(settings.engine_config.kv_budget) if len(configs) > 1 else None
     engines = {
-        name: AsyncEngine(config, settings.max_pending, metrics.model(name), budget) for name, config in configs.items()
+        name: AsyncEngine(config, config.max_slots + settings.max_queue, metrics.model(name), budget)
+        for name, config in configs.items()
     }
     engine = next(iter(engines.values()))
 
@@ -67,6 +66,30 @@ def build_app(settings: ServerSettings) -> FastAPI:
     app.include_router(docs_routes(app), dependencies=authorized)
     app.include_router(sleep_routes(engines), dependencies=authorized)
     return app
+
+
+def _model_configs(settings: ServerSettings) -> dict[str, EngineConfig]:
+    """Each served model's engine config by its served name: engine_config with the model's own
+    options; ValueError for two models under one name or options the server cannot apply."""
+    served = [(str(settings.engine_config.model), settings.model_name), *settings.more_models]
+    configs = {name or _served_name(model): replace(settings.engine_config, model=model) for model, name in served}
+    if len(configs) < len(served):
+        raise ValueError(f"two models are served under one name: {[name or _served_name(m) for m, name in served]}")
+    known = {f.name for f in fields(EngineConfig)} - set(SHARED_OPTIONS)
+    for name, options in settings.model_options:
+        if name not in configs:
+            raise ValueError(f"--model-config names {name!r}, which is not served; served: {', '.join(configs)}")
+        if shared := sorted(set(options) & set(SHARED_OPTIONS)):
+            raise ValueError(f"--model-config {name}: {', '.join(shared)} is the same for every model: set it once")
+        if unknown := sorted(set(options) - known):
+            raise ValueError(
+                f"--model-config {name}: no option {', '.join(unknown)}; options: {', '.join(sorted(known))}"
+            )
+        try:
+            configs[name] = replace(configs[name], **options)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"--model-config {name}: {error}") from error
+    return configs
 
 
 def _served_name(model: str) -> str:

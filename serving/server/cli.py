@@ -12,6 +12,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import Any
 
 from serving.config import KV_CACHE_DTYPES, KV_CACHES, MODEL_DTYPES, EngineConfig
 from serving.linear import QUANTIZATIONS
@@ -90,6 +91,20 @@ def kv_events_config(text: str) -> dict[str, str | None]:
     }
 
 
+def model_config(text: str) -> tuple[str, dict[str, Any]]:
+    """NAME=JSON -> (served name, EngineConfig fields): one model's own settings."""
+    name, equals, options = text.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError('give NAME=JSON, e.g. tiny=\'{"dtype": "float32", "max_slots": 8}\'')
+    try:
+        parsed = json.loads(options)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{name}: not JSON: {error}") from error
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"{name}: must be a JSON object of engine options")
+    return name, parsed
+
+
 def key_file(path: str) -> str:
     """The API key in a file (its trailing newline dropped)."""
     try:
@@ -125,6 +140,15 @@ def parser() -> argparse.ArgumentParser:
         "--served-model-name",
         action="append",
         help="the name clients send as `model` (default: the model's own); repeated, one per --model in order",
+    )
+    serve.add_argument(
+        "--model-config",
+        action="append",
+        type=model_config,
+        metavar="NAME=JSON",
+        help="one served model's own engine options, where they differ from the command line's, as a JSON "
+        'object of EngineConfig fields, e.g. tiny=\'{"dtype": "float32", "max_slots": 8}\' (repeated, one '
+        "per model; model, kv_budget, backend, kv_cache and tensor_parallel_size are every model's alike)",
     )
     serve.add_argument(
         "--dtype",
@@ -378,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         engine_config=engine_config,
         model_name=names[0] if names else None,
         more_models=more_models,
+        model_options=tuple(args.model_config or ()),
         # $VATTN_API_KEY is not a default: --help would print it
         api_key=args.api_key or args.api_key_file or os.environ.get("VATTN_API_KEY"),
         max_queue=args.max_queue,

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from serving.config import EngineConfig
 from vattn.sizes import MiB
 
+SHARED_OPTIONS = ("model", "kv_budget", "backend", "kv_cache", "tensor_parallel_size")
+"""EngineConfig fields every served model has alike: --model names each model, and their KV
+caches share one budget on one backend."""
 LOOPBACK_ADDRESSES = frozenset({"127.0.0.1", "localhost", "::1"})
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 """Host headers a server bound to a loopback address accepts by default (with any port): a web
@@ -20,7 +25,11 @@ class ServerSettings:
     """The name clients send as `model`; by default the model folder's (or file's) name."""
     more_models: tuple[tuple[str, str | None], ...] = ()
     """Further models served beside engine_config's, as (model, served name or None), each with
-    engine_config's other settings; all their KV caches share one kv_budget."""
+    engine_config's other settings unless model_options give its own; all their KV caches share
+    one kv_budget."""
+    model_options: tuple[tuple[str, Mapping[str, Any]], ...] = ()
+    """(served name, EngineConfig fields) for models whose settings differ from engine_config's,
+    all but SHARED_OPTIONS."""
     api_key: str | None = None
     """When set, every route but /health and /metrics (probes, scrapers: open as in vLLM) needs `Bearer <api_key>`."""
     max_queue: int = 256
@@ -36,10 +45,6 @@ class ServerSettings:
     """Host headers accepted (`*`: any); None: LOOPBACK_HOSTS when bound to a loopback address, else any."""
     host: str = "127.0.0.1"
     port: int = 8000
-
-    @property
-    def max_pending(self) -> int:
-        return self.engine_config.max_slots + self.max_queue
 
     @property
     def trusted_hosts(self) -> tuple[str, ...]:
