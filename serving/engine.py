@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -19,12 +18,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from serving import tensor_parallel
 from serving.config import EngineConfig
 from serving.default_model import ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
-from serving.executor import ModelExecutor
-from serving.kv_store import KVStore, make_kv_store
+from serving.executor import ModelExecutor, make_executor
+from serving.kv_store import KVStore
 from serving.model_loader import load_model, model_shape, return_freed_memory
 from serving.outputs import RequestOutput, StreamDelta
 from serving.request import (
@@ -78,8 +76,6 @@ class LLMEngine:
         """`page_budget`: one bound shared with other engines' KV caches (several models under
         one KV budget); each engine's own `kv_budget` still bounds it alone."""
         self.config = config = config or EngineConfig()
-        if page_budget is not None and config.tensor_parallel_size > 1:
-            raise ValueError("several models on one KV budget run without tensor parallelism")
         if config.kv_events_endpoint is not None:  # msgspec and pyzmq: imported only when asked for, before the model
             from serving.kv_events import kv_event_publisher
         self._path = path = config.model or ensure_default_model()
@@ -89,21 +85,11 @@ class LLMEngine:
         self.vocab_size = shape.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, shape.vocab_size)
         """Callers may compile grammars ahead on other threads (`compile`), so admission finds them ready."""
-        self.kv: KVStore
+        self.executor = make_executor(
+            replace(config, model=str(path)), model, shape, self.max_context, page_budget, self.executor_type
+        )
+        self.kv: KVStore = self.executor.kv
         """Slots and pages; callers read it through `stats()`, tests inspect the allocator behind it."""
-        self._followers: list[subprocess.Popen[bytes]] = []
-        """Tensor parallelism: the other ranks' processes that this engine started."""
-        if config.tensor_parallel_size > 1:
-            config = self.config = replace(config, model=str(path))  # the followers load the same files
-            mirrored, self.executor, self._followers = tensor_parallel.rank_zero(config, model, shape, self.max_context)
-            self.kv = mirrored  # type: ignore[assignment]
-        else:
-            self.kv = make_kv_store(config, shape, self.max_context, page_budget)
-            try:
-                self.executor = self.executor_type(model, shape, self.kv, config.quantization)
-            except BaseException:
-                self.kv.close()
-                raise
         self._scheduler = Scheduler(self.kv, config.max_batched_tokens, self.max_context, config.reserve_tokens)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -388,8 +374,4 @@ class LLMEngine:
     def close(self) -> None:
         if self._kv_events is not None:
             self._kv_events.close()
-        if isinstance(self.executor, tensor_parallel.TensorParallelExecutor):
-            self.executor.stop_followers()
-        for follower in self._followers:
-            follower.wait(60)
-        self.kv.close()
+        self.executor.close()

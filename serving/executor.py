@@ -2,19 +2,29 @@
 
 It owns the KV store's compute side and the model runner. The continuous-batching engine
 (serving.engine) and beam search (serving.beam_search) each decide what runs and drive it.
+`make_executor` builds the KV store and the executor for a config; with tensor parallelism,
+rank 0's executor and its followers (serving.tensor_parallel), which its `close` stops, so no
+driver knows that ranks exist.
 """
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from serving.kv_store import IterationBatch, KVStore
-from serving.model_loader import ModelShape, return_freed_memory
+from serving import tensor_parallel
+from serving.config import EngineConfig
+from serving.kv_store import IterationBatch, KVStore, make_kv_store
+from serving.model_loader import ModelShape, load_model, model_shape, return_freed_memory
 from serving.model_runner import ModelRunner, Reduce
+from serving.tensor_parallel import Group, MirroredKVStore
+from vattn import PageBudget
 
 
 class KVSequence(Protocol):
@@ -90,8 +100,109 @@ class ModelExecutor:
             raise RuntimeError("the model's weights are unloaded (asleep at level 2): wake the engine up first")
         return self.runner
 
+    def close(self) -> None:
+        """Closes the KV store (its pages and address space go back)."""
+        self.kv.close()
+
     def _to_host(self, logits: Tensor) -> Tensor:
         """The iteration's one device-to-host transfer: the wanted rows' float32 logits, on the KV
         cache's device, copied to the CPU, where the sampler reads them. (the CUDA dry run's
         executor overrides it: its fake CUDA tensors hold no values to copy.)"""
         return logits.cpu()
+
+
+class TensorParallelExecutor(ModelExecutor):
+    """Rank 0's executor: before each iteration it sends the followers the KV-store calls since
+    the last one and the iteration's tokens; its projections' partial sums are all-reduced.
+    Closing it stops the followers (and waits for those it started)."""
+
+    def __init__(
+        self,
+        model: Any,
+        shape: ModelShape,
+        kv: MirroredKVStore,
+        quantization: str,
+        group: Group,
+        followers: list[subprocess.Popen[bytes]],
+    ) -> None:
+        super().__init__(model, shape, kv, quantization, reduce=group.all_reduce)
+        self.group, self.mirrored, self.followers = group, kv, followers
+
+    def forward(self, ids: list[int], slots: Sequence[int], new_tokens: Sequence[int]) -> tuple[Tensor, IterationBatch]:
+        self.group.broadcast(("iterate", self.mirrored.take_log(), ids, list(slots), list(new_tokens)))
+        return super().forward(ids, slots, new_tokens)
+
+    def close(self) -> None:
+        self.group.broadcast(("stop", self.mirrored.take_log(), [], [], []))
+        dist.destroy_process_group()
+        for follower in self.followers:
+            follower.wait(60)
+        super().close()
+
+
+def make_executor(
+    config: EngineConfig,
+    model: Any,
+    shape: ModelShape,
+    max_context: int,
+    page_budget: PageBudget | None = None,
+    executor_type: type[ModelExecutor] = ModelExecutor,
+) -> ModelExecutor:
+    """The KV store and the executor over it for `config` (`config.model` a path: tensor
+    parallelism's followers load the same files); the executor owns both (`close`)."""
+    if config.tensor_parallel_size > 1:
+        if page_budget is not None:
+            raise ValueError("several models on one KV budget run without tensor parallelism")
+        return _rank_zero(config, model, shape, max_context)
+    kv = make_kv_store(config, shape, max_context, page_budget)
+    try:
+        return executor_type(model, shape, kv, config.quantization)
+    except BaseException:
+        kv.close()
+        raise
+
+
+def _rank_zero(config: EngineConfig, model: Any, shape: ModelShape, max_context: int) -> TensorParallelExecutor:
+    """Rank 0's executor, with the followers started here when no `tp_init_method` says they
+    are started elsewhere."""
+    tensor_parallel.check_divisible(shape, model.config.intermediate_size, config.tensor_parallel_size)
+    local = config.tp_init_method is None
+    if local:
+        config = replace(config, tp_init_method=f"tcp://127.0.0.1:{tensor_parallel.free_port()}")
+    followers = tensor_parallel.start_followers(config, "serving.executor") if local else []
+    try:
+        group = tensor_parallel.join(config, 0)
+        shard = tensor_parallel.shard_model(model, shape, 0, group.size)
+        kv = MirroredKVStore(make_kv_store(config, shard, max_context))
+        return TensorParallelExecutor(model, shard, kv, config.quantization, group, followers)
+    except BaseException:
+        for follower in followers:
+            follower.kill()
+        raise
+
+
+def follow(config: EngineConfig, rank: int) -> None:
+    """A follower rank: its shard of the model and its own cache, driven by rank 0 until it stops."""
+    group = tensor_parallel.join(config, rank)
+    model, _ = load_model(str(config.model), config.torch_dtype)
+    shape = model_shape(model)
+    shard = tensor_parallel.shard_model(model, shape, rank, group.size)
+    kv = make_kv_store(config, shard, min(config.max_context, shape.max_position))
+    executor = ModelExecutor(model, shard, kv, config.quantization, reduce=group.all_reduce)
+    del model
+    return_freed_memory()
+    try:
+        while True:
+            command, log, ids, slots, new_tokens = group.broadcast(None)
+            tensor_parallel.replay(kv, log)
+            if command == "stop":
+                return
+            executor.forward(ids, slots, new_tokens)
+    finally:
+        kv.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    follow(*tensor_parallel.follower_arguments())

@@ -2,7 +2,7 @@
 and MLP columns, and its own vattn cache for its KV heads.
 
 Rank 0 is the engine: it schedules, samples and serves. Every other rank is a follower
-process (`python -m serving.tensor_parallel`) that holds no scheduler: before each model
+process (`python -m serving.executor`, serving.executor.follow) that holds no scheduler: before each model
 iteration rank 0 broadcasts the KV-store calls it made since the last one and the
 iteration's tokens, and the follower replays the calls on its own cache and runs its
 shard of the same forward pass. The all-reduces after the attention output projection and
@@ -26,7 +26,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,9 +35,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from serving.config import EngineConfig
-from serving.executor import ModelExecutor
-from serving.kv_store import IterationBatch, KVStore, make_kv_store
-from serving.model_loader import ModelShape, load_model, model_shape, return_freed_memory
+from serving.kv_store import IterationBatch, KVStore
+from serving.model_loader import ModelShape
+from vattn import CacheStats
+from vattn.prefix_cache import CacheEvent
 
 IDLE_TIMEOUT = datetime.timedelta(days=30)
 """How long a follower waits for rank 0's next iteration (torch's 30-minute default would end an
@@ -118,78 +119,80 @@ def join(config: EngineConfig, rank: int) -> Group:
     return Group(rank, config.tensor_parallel_size)
 
 
-class MirroredKVStore:
-    """Rank 0's KV store: every call that changes the cache runs here and is logged for the
-    followers, who replay the log before the next iteration (`take_log`)."""
+class MirroredKVStore(KVStore):
+    """Rank 0's KV store: every call that changes the cache (MIRRORED) runs here and is logged
+    for the followers, who replay the log before the next iteration (`take_log`)."""
 
     def __init__(self, store: KVStore) -> None:
         self._store = store
+        self.device = store.device
         self._log: list[tuple[str, tuple[Any, ...], Any]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._store, name)
-        if name not in MIRRORED:
-            return method
-
-        def logged(*args: Any) -> Any:
-            result = method(*args)  # raises before logging: a call that failed changed nothing
-            self._log.append((name, args, result))
-            return result
-
-        return logged
 
     def take_log(self) -> list[tuple[str, tuple[Any, ...], Any]]:
         log, self._log = self._log, []
         return log
 
+    def _logged(self, name: str, call: Callable[..., Any], *args: Any) -> Any:
+        result = call(*args)  # raises before logging: a call that failed changed nothing
+        self._log.append((name, args, result))
+        return result
+
+    def admit(self, num_tokens: int, growing: Mapping[int, int] | None = None) -> int | None:
+        return self._logged("admit", self._store.admit, num_tokens, growing)
+
+    def reuse_prefix(self, slot: int, token_ids: Sequence[int], salt: str | None = None) -> int:
+        return self._logged("reuse_prefix", self._store.reuse_prefix, slot, token_ids, salt)
+
+    def remember(self, slot: int, token_ids: Sequence[int]) -> None:
+        self._logged("remember", self._store.remember, slot, token_ids)
+
+    def fork(self, slot: int) -> int | None:
+        return self._logged("fork", self._store.fork, slot)
+
+    def grow(self, lengths: Mapping[int, int]) -> None:
+        self._logged("grow", self._store.grow, lengths)
+
+    def free(self, slot: int) -> None:
+        self._logged("free", self._store.free, slot)
+
+    def reset_prefix_cache(self) -> None:
+        self._logged("reset_prefix_cache", self._store.reset_prefix_cache)
+
+    def fork_min_tokens(self) -> int | None:
+        return self._store.fork_min_tokens()
+
+    def slot_bytes(self, num_tokens: int) -> int:
+        return self._store.slot_bytes(num_tokens)
+
+    def plan(self, slots: Sequence[int], new_tokens: Sequence[int]) -> IterationBatch:
+        return self._store.plan(slots, new_tokens)
+
+    def attend(self, layer: int, batch: IterationBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return self._store.attend(layer, batch, q, k, v)
+
+    def stats(self) -> CacheStats:
+        return self._store.stats()
+
+    def take_events(self) -> list[CacheEvent]:
+        return self._store.take_events()
+
+    def release_memory(self) -> int:
+        return self._store.release_memory()
+
+    def close(self) -> None:
+        self._store.close()
+
 
 def replay(store: KVStore, log: Sequence[tuple[str, tuple[Any, ...], Any]]) -> None:
-    """A follower's cache takes rank 0's calls; each must give rank 0's result."""
+    """A follower's cache takes rank 0's calls; each must give rank 0's result (a follower's
+    cache holds 1/size of rank 0's bytes per token under the same budget, so it has room
+    wherever rank 0 had)."""
     for name, args, result in log:
         if name == "admit" and result is None:  # rank 0 found no room and took nothing
             continue
-        # admit: rank 0 checked the room; the follower, in the same state, takes the slot
-        mine = store.cache.alloc_reqid() if name == "admit" else getattr(store, name)(*args)  # type: ignore[attr-defined]
+        mine = getattr(store, name)(*args)
         if mine != result:
             raise RuntimeError(f"tensor-parallel ranks diverged: {name}{args} gave {mine} here, {result} on rank 0")
-
-
-class TensorParallelExecutor(ModelExecutor):
-    """Rank 0's executor: before each iteration it sends the followers the KV-store calls since
-    the last one and the iteration's tokens; its projections' partial sums are all-reduced."""
-
-    def __init__(self, model: Any, shape: ModelShape, kv: MirroredKVStore, quantization: str, group: Group) -> None:
-        super().__init__(model, shape, kv, quantization, reduce=group.all_reduce)  # type: ignore[arg-type]
-        self.group, self.mirrored = group, kv
-
-    def forward(self, ids: list[int], slots: Sequence[int], new_tokens: Sequence[int]) -> tuple[Tensor, IterationBatch]:
-        self.group.broadcast(("iterate", self.mirrored.take_log(), ids, list(slots), list(new_tokens)))
-        return super().forward(ids, slots, new_tokens)
-
-    def stop_followers(self) -> None:
-        self.group.broadcast(("stop", self.mirrored.take_log(), [], [], []))
-        dist.destroy_process_group()
-
-
-def rank_zero(
-    config: EngineConfig, model: Any, shape: ModelShape, max_context: int
-) -> tuple[MirroredKVStore, TensorParallelExecutor, list[subprocess.Popen[bytes]]]:
-    """Rank 0's KV store and executor, with the followers started here when no
-    `tp_init_method` says they are started elsewhere."""
-    check_divisible(shape, model.config.intermediate_size, config.tensor_parallel_size)  # before any rank starts
-    local = config.tp_init_method is None
-    if local:
-        config = replace(config, tp_init_method=f"tcp://127.0.0.1:{free_port()}")
-    followers = start_followers(config) if local else []
-    try:
-        group = join(config, 0)
-        shard = shard_model(model, shape, 0, group.size)
-        kv = MirroredKVStore(make_kv_store(config, shard, max_context))
-        return kv, TensorParallelExecutor(model, shard, kv, config.quantization, group), followers
-    except BaseException:
-        for follower in followers:
-            follower.kill()
-        raise
 
 
 def free_port() -> int:
@@ -198,52 +201,24 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_followers(config: EngineConfig) -> list[subprocess.Popen[bytes]]:
-    """Ranks 1.. of a tensor-parallel engine as processes on this machine, each with its share of
-    the CPUs' threads (rank 0 takes its own share too)."""
+def start_followers(config: EngineConfig, module: str) -> list[subprocess.Popen[bytes]]:
+    """Ranks 1.. of a tensor-parallel engine as processes on this machine (`python -m module
+    --rank R --config JSON`, read by `follower_arguments`), each with its share of the CPUs'
+    threads (rank 0 takes its own share too)."""
     fields = json.dumps(dataclasses.asdict(config))
     threads = max(1, len(os.sched_getaffinity(0)) // config.tensor_parallel_size)
     torch.set_num_threads(threads)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     return [
-        subprocess.Popen(
-            [sys.executable, "-m", "serving.tensor_parallel", "--rank", str(rank), "--config", fields], env=env
-        )
+        subprocess.Popen([sys.executable, "-m", module, "--rank", str(rank), "--config", fields], env=env)
         for rank in range(1, config.tensor_parallel_size)
     ]
 
 
-def follow(config: EngineConfig, rank: int) -> None:
-    """A follower rank: its shard of the model and its own cache, driven by rank 0 until it stops."""
-    group = join(config, rank)
-    model, _ = load_model(str(config.model), config.torch_dtype)
-    shape = model_shape(model)
-    max_context = min(config.max_context, shape.max_position)
-    shard = shard_model(model, shape, rank, group.size)
-    kv = make_kv_store(config, shard, max_context)
-    executor = ModelExecutor(model, shard, kv, config.quantization, reduce=group.all_reduce)
-    del model
-    return_freed_memory()
-    try:
-        while True:
-            command, log, ids, slots, new_tokens = group.broadcast(None)
-            replay(kv, log)
-            if command == "stop":
-                return
-            executor.forward(ids, slots, new_tokens)
-    finally:
-        kv.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def main(argv: Sequence[str] | None = None) -> None:
+def follower_arguments(argv: Sequence[str] | None = None) -> tuple[EngineConfig, int]:
+    """A follower process's command line: the engine's config and this rank."""
     parser = argparse.ArgumentParser(description="A follower rank of a tensor-parallel vattn engine")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--config", required=True, help="the engine's EngineConfig as JSON")
     args = parser.parse_args(argv)
-    follow(EngineConfig(**json.loads(args.config)), args.rank)
-
-
-if __name__ == "__main__":
-    main()
+    return EngineConfig(**json.loads(args.config)), args.rank
