@@ -71,18 +71,7 @@ class SamplingParams:
             raise InvalidField("top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             raise InvalidField("seed", f"seed must be a 64-bit signed integer, got {self.seed!r}")
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, tuple | list) or not all(isinstance(s, str) and s for s in stop):
-            raise InvalidField("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if len(stop) > MAX_STOP_STRINGS:
-            raise InvalidField("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
-        if any(len(s) > MAX_STOP_LENGTH for s in stop):
-            raise InvalidField("stop", f"stop strings must be at most {MAX_STOP_LENGTH} characters long")
-        object.__setattr__(self, "stop", tuple(stop))
-        ids = self.stop_token_ids
-        if not isinstance(ids, tuple | list) or not all(is_int(t) and t >= 0 for t in ids):
-            raise InvalidField("stop_token_ids", f"stop_token_ids must be a list of token ids, got {ids!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        self._check_stops()
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidField("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (
@@ -105,6 +94,27 @@ class SamplingParams:
             )
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise InvalidField("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        self._check_token_maps()
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidField("cache_salt", f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+
+    def _check_stops(self) -> None:
+        """stop (a string or a list of them) and stop_token_ids, stored as tuples."""
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, tuple | list) or not all(isinstance(s, str) and s for s in stop):
+            raise InvalidField("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidField("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        if any(len(s) > MAX_STOP_LENGTH for s in stop):
+            raise InvalidField("stop", f"stop strings must be at most {MAX_STOP_LENGTH} characters long")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple | list) or not all(is_int(t) and t >= 0 for t in ids):
+            raise InvalidField("stop_token_ids", f"stop_token_ids must be a list of token ids, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+    def _check_token_maps(self) -> None:
+        """logit_bias and allowed_token_ids, stored as a dict and a tuple."""
         if self.logit_bias is not None:
             bias = self.logit_bias
             if not isinstance(bias, Mapping):
@@ -122,9 +132,6 @@ class SamplingParams:
                     "allowed_token_ids", f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}"
                 )
             object.__setattr__(self, "allowed_token_ids", tuple(allowed))
-
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
-            raise InvalidField("cache_salt", f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """ValueError naming the field if a token id it lists is not in the vocabulary."""

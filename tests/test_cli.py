@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from serving.default_model import ensure_default_model
-from serving.server.cli import main, parser, size
+from serving.server.cli import main, parser
+from serving.server.cli_args import size
 from tests.live_server import read_until
 
 VATTN = Path(sys.executable).parent / "vattn"

@@ -15,7 +15,7 @@ import zmq
 
 from serving.config import EngineConfig
 from serving.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash
-from serving.server.cli import kv_events_config
+from serving.server.cli_args import kv_events_config
 from tests.live_server import MODEL, LiveServer, live_server, openai_client
 from vattn import KVCache, KVCacheConfig
 from vattn.prefix_cache import CacheCleared, UnitsStored
@@ -25,10 +25,16 @@ class Subscriber:
     """vLLM's example consumer: a SUB socket on the topic, batches decoded as KVEventBatch, and
     the set of block hashes the events say are cached."""
 
-    def __init__(self, context: zmq.Context[Any], endpoint: str, topic: str) -> None:
+    def __init__(self, context: zmq.Context[Any], endpoint: str, topic: str, bind: bool = False) -> None:
+        """Connects to the publisher's `endpoint`, or with `bind` binds it (a loopback address
+        with no port: `endpoint` is then the one bound, where the publisher connects)."""
         self.sub = context.socket(zmq.SUB)
-        self.sub.connect(endpoint)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
+        if bind:
+            self.endpoint = f"{endpoint}:{self.sub.bind_to_random_port(endpoint)}"
+        else:
+            self.endpoint = endpoint
+            self.sub.connect(endpoint)
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.cached: set[int] = set()
         self.sequence = -1
@@ -62,16 +68,22 @@ def cached_hashes(server: LiveServer) -> set[int]:
     return {block_hash(d) for d in server.on_engine(lambda engine: engine.kv.cache.prefix_digests())}
 
 
-@pytest.fixture
-def events_server(tmp_path: Path) -> Iterator[tuple[LiveServer, Subscriber, str]]:
-    endpoint, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+@pytest.fixture(params=["publisher binds", "publisher connects"])
+def events_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[LiveServer, Subscriber, str]]:
+    """The server publishing to a subscriber: on an ipc:// endpoint it binds, or connecting to
+    a tcp:// loopback port the subscriber bound (vLLM's two ways; no wildcard host: connect)."""
+    replay = f"ipc://{tmp_path}/replay"
     context: zmq.Context[Any] = zmq.Context()
+    connects = request.param == "publisher connects"
+    subscriber = Subscriber(context, "tcp://127.0.0.1", "kv@test", bind=True) if connects else None
+    endpoint = subscriber.endpoint if subscriber else f"ipc://{tmp_path}/events"
     overrides = {"kv_events_endpoint": endpoint, "kv_events_replay_endpoint": replay, "kv_events_topic": "kv@test"}
     # 16 KiB pages: a unit is 64 tokens; with two slots and no share for the cache alone, a unit
     # is evicted as soon as both slots have moved on
     with live_server(page_size=16 << 10, max_slots=2, prefix_cache_share=0.0, **overrides) as server:
-        subscriber = Subscriber(context, endpoint, "kv@test")
-        time.sleep(0.5)  # a SUB socket receives only what is sent after it has joined
+        if subscriber is None:
+            subscriber = Subscriber(context, endpoint, "kv@test")
+            time.sleep(0.5)  # a SUB socket that connects receives only what is sent after it has joined
         yield server, subscriber, replay
         subscriber.sub.close(linger=0)
     context.term()

@@ -3,118 +3,37 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
 import os
 import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any
 
 from serving.config import KV_CACHE_DTYPES, KV_CACHES, MODEL_DTYPES, EngineConfig
 from serving.linear import QUANTIZATIONS
 from serving.replicas import ROUTERS, ReplicaPlan, parse_serve_args
 from serving.replicas import run as run_replicas
+from serving.server.cli_args import (
+    DefaultsHelpFormatter,
+    host_names,
+    key_file,
+    kv_events_config,
+    model_config,
+    positive,
+    seconds,
+    share,
+    size,
+)
 from serving.server.settings import LOOPBACK_HOSTS, ServerSettings
 from serving.synthetic_model import SYNTHETIC_MODELS, is_synthetic, synthetic_spec
 from vattn.backends import BACKENDS
 from vattn.kernels import KERNELS
 from vattn.paged import PAGED_KERNELS
-from vattn.sizes import parse_size, size_label
+from vattn.sizes import size_label
 
 log = logging.getLogger("vattn.serve")
-
-
-def size(text: str) -> int:
-    """Bytes from '65536', '64K', '64KiB', '1G', '512MB' (binary units), for argparse."""
-    try:
-        return parse_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from error
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def share(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a share from 0 to 1, got {text}")
-    return value
-
-
-def seconds(text: str) -> float:
-    value = float(text)
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
-    return value
-
-
-def host_names(text: str) -> tuple[str, ...]:
-    """'a.example, *.b.example, [::1]' -> ('a.example', '*.b.example', '[::1]'); '*' is any host."""
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    if not names or any(name != "*" and "*" in name.removeprefix("*.") for name in names):
-        raise argparse.ArgumentTypeError(f"expected names like 'a.example', '*.a.example' or '*', got {text!r}")
-    return names
-
-
-KV_EVENTS_KEYS = {
-    "endpoint": "kv_events_endpoint",
-    "replay_endpoint": "kv_events_replay_endpoint",
-    "topic": "kv_events_topic",
-}
-
-
-def kv_events_config(text: str) -> dict[str, str | None]:
-    """vLLM's --kv-events-config JSON -> the EngineConfig fields it sets (none when not enabled)."""
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not JSON: {error}") from error
-    if not isinstance(config, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    unsupported = sorted(set(config) - {*KV_EVENTS_KEYS, "enable_kv_cache_events", "publisher"})
-    if unsupported:
-        raise argparse.ArgumentTypeError(f"unsupported keys {unsupported}; vattn reads {sorted(KV_EVENTS_KEYS)}")
-    enabled = config.get("enable_kv_cache_events", False) and config.get("publisher", "zmq") == "zmq"
-    if not enabled:
-        return {}
-    return {"kv_events_endpoint": "tcp://*:5557"} | {
-        KV_EVENTS_KEYS[k]: v for k, v in config.items() if k in KV_EVENTS_KEYS
-    }
-
-
-def model_config(text: str) -> tuple[str, dict[str, Any]]:
-    """NAME=JSON -> (served name, EngineConfig fields): one model's own settings."""
-    name, equals, options = text.partition("=")
-    if not equals or not name:
-        raise argparse.ArgumentTypeError('give NAME=JSON, e.g. tiny=\'{"dtype": "float32", "max_slots": 8}\'')
-    try:
-        parsed = json.loads(options)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"{name}: not JSON: {error}") from error
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError(f"{name}: must be a JSON object of engine options")
-    return name, parsed
-
-
-def key_file(path: str) -> str:
-    """The API key in a file (its trailing newline dropped)."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            key = file.read().rstrip("\r\n")
-    except (OSError, UnicodeDecodeError) as error:
-        raise argparse.ArgumentTypeError(f"cannot read the API key: {error}") from error
-    if not key:
-        raise argparse.ArgumentTypeError(f"{path} is empty")
-    return key
 
 
 def parser() -> argparse.ArgumentParser:
@@ -341,43 +260,13 @@ def add_replicas_parser(commands: argparse._SubParsersAction) -> None:  # type: 
     )
 
 
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Appends "(default: X)" to an option's help unless the default is None (the help says it) or
-    the help names its default itself."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        help_text = action.help or ""
-        if action.default in (None, argparse.SUPPRESS) or "default" in help_text or not action.option_strings:
-            return help_text
-        return f"{help_text} (default: %(default)s)"
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     cli = parser()
     args = cli.parse_args(argv)
     if args.command == "replicas":
         sys.exit(replicas_main(cli, args))
-    models: list[str] = args.model or []
-    if args.model_tag is not None:
-        if models and models[0] != args.model_tag:
-            cli.error(f"the model is given twice, as {args.model_tag!r} and --model {models[0]!r}")
-        models = models or [args.model_tag]
-    names: list[str] = args.served_model_name or []
-    if len(names) > max(len(models), 1):
-        cli.error(f"{len(names)} --served-model-name for {len(models)} --model: give one per model, in order")
-    for model in models:
-        if problem := _model_problem(model):
-            cli.error(problem)
-    if len(models) > 1 and args.kv_cache != "virtual":
-        cli.error("several models share one --kv-budget on the virtual KV cache only: drop --kv-cache paged")
-    if len(models) > 1 and args.tensor_parallel_size > 1:
-        cli.error("several models in one server run without tensor parallelism: drop --tensor-parallel-size")
-    args.model = models[0] if models else None
-    more_models = tuple(zip(models[1:], names[1:] + [None] * len(models), strict=False))
-    for name, value in (args.kv_events_config or {}).items():
-        if getattr(args, name) not in (None, "", value):
-            cli.error(f"--kv-events-config and --{name.replace('_', '-')} disagree")
-        setattr(args, name, value)
+    names, more_models = _served_models(cli, args)
+    _merge_kv_events_config(cli, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.api_key:
         log.warning("--api-key shows in `ps` to every user of this machine: use $VATTN_API_KEY or --api-key-file")
@@ -394,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cli.error(str(exc))
     if args.tp_rank:
         from serving.default_model import ensure_default_model
-        from serving.tensor_parallel import follow
+        from serving.executor import follow
 
         follow(replace(engine_config, model=engine_config.model or str(ensure_default_model())), args.tp_rank)
         return
@@ -429,6 +318,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     server.run()
     if engine.load_error is not None:
         sys.exit(f"vattn serve: error: the model failed to load: {engine.load_error}")
+
+
+def _merge_kv_events_config(cli: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """vLLM's --kv-events-config sets the --kv-events-* options it names (a usage error if one disagrees)."""
+    for name, value in (args.kv_events_config or {}).items():
+        if getattr(args, name) not in (None, "", value):
+            cli.error(f"--kv-events-config and --{name.replace('_', '-')} disagree")
+        setattr(args, name, value)
+
+
+def _served_models(
+    cli: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[str], tuple[tuple[str, str | None], ...]]:
+    """The served names given, and the models after the first with their names; sets
+    `args.model` to the first model (None: the default model). Usage errors exit."""
+    models: list[str] = args.model or []
+    if args.model_tag is not None:
+        if models and models[0] != args.model_tag:
+            cli.error(f"the model is given twice, as {args.model_tag!r} and --model {models[0]!r}")
+        models = models or [args.model_tag]
+    names: list[str] = args.served_model_name or []
+    if len(names) > max(len(models), 1):
+        cli.error(f"{len(names)} --served-model-name for {len(models)} --model: give one per model, in order")
+    for model in models:
+        if problem := _model_problem(model):
+            cli.error(problem)
+    if len(models) > 1 and args.kv_cache != "virtual":
+        cli.error("several models share one --kv-budget on the virtual KV cache only: drop --kv-cache paged")
+    if len(models) > 1 and args.tensor_parallel_size > 1:
+        cli.error("several models in one server run without tensor parallelism: drop --tensor-parallel-size")
+    args.model = models[0] if models else None
+    return names, tuple(zip(models[1:], names[1:] + [None] * len(models), strict=False))
 
 
 def replicas_main(cli: argparse.ArgumentParser, args: argparse.Namespace) -> int:
