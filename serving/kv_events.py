@@ -96,7 +96,8 @@ class KVEventsConfig:
     """vLLM's KVEventsConfig fields that a publisher uses."""
 
     endpoint: str = "tcp://*:5557"
-    """Bound if it has a wildcard host (`*`, `::`) or is ipc:// or inproc://, else connected to."""
+    """Bound if it has a wildcard host (`*`, `::`) or is ipc:// or inproc://, else connected to
+    (one consumer, which binds: batches wait for its subscription instead of being dropped)."""
     replay_endpoint: str | None = None
     topic: str = ""
     buffer_steps: int = 10_000
@@ -113,11 +114,16 @@ class KVEventPublisher:
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._sequence = itertools.count()
-        self._pub = self._context.socket(zmq.PUB)
+        self._binds = _binds(config.endpoint)
+        # Connected, an XPUB: it sees the consumer's subscription, which a bound SUB sends only
+        # once its owner first polls it, and batches are held until then (a PUB drops them).
+        self._pub = self._context.socket(zmq.PUB if self._binds else zmq.XPUB)
         self._pub.set_hwm(config.hwm)
+        self._held: list[tuple[int, bytes]] | None = None if self._binds else []
+        """Batches sent before a connected publisher's consumer subscribed (bounded by buffer_steps)."""
         self._replay = self._context.socket(zmq.ROUTER) if config.replay_endpoint else None
         try:
-            _attach(self._pub, config.endpoint)
+            (self._pub.bind if self._binds else self._pub.connect)(config.endpoint)
             if self._replay is not None:
                 self._replay.bind(str(config.replay_endpoint))
         except zmq.ZMQError as error:
@@ -144,6 +150,11 @@ class KVEventPublisher:
         while True:
             if self._replay is not None and self._replay.poll(0):
                 self._answer_replay(topic)
+            if self._held is not None and self._pub.poll(0):
+                self._pub.recv()  # the consumer's subscription: what was held goes now
+                for sequence, payload in self._held:
+                    self._pub.send_multipart((topic, sequence.to_bytes(8, "big"), payload))
+                self._held = None
             try:
                 batch = self._queue.get(timeout=0.05)
             except queue.Empty:
@@ -151,7 +162,10 @@ class KVEventPublisher:
             if batch is None:
                 return
             sequence, payload = next(self._sequence), encoder.encode(batch)
-            self._pub.send_multipart((topic, sequence.to_bytes(8, "big"), payload))
+            if self._held is not None:
+                self._held = [*self._held, (sequence, payload)][-self.config.buffer_steps :]
+            else:
+                self._pub.send_multipart((topic, sequence.to_bytes(8, "big"), payload))
             self._buffer.append((sequence, payload))
 
     def _answer_replay(self, topic: bytes) -> None:
@@ -175,12 +189,9 @@ class KVEventPublisher:
         self._context.term()
 
 
-def _attach(sock: zmq.Socket, endpoint: str) -> None:  # type: ignore[type-arg]
-    wildcard = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-    if wildcard:
-        sock.bind(endpoint)
-    else:
-        sock.connect(endpoint)
+def _binds(endpoint: str) -> bool:
+    """Whether the publisher binds `endpoint` (a wildcard host, ipc://, inproc://) or connects to it, as vLLM's."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 def kv_event_publisher(config: EngineConfig) -> KVEventPublisher:
