@@ -84,7 +84,7 @@ class GrammarCompiler:
                 self._compiled.move_to_end(output)
                 return compiled
             tokenizer = self._llg_tokenizer()
-        compiled = _compile(output, tokenizer)
+        compiled = _compile(output, tokenizer, self.vocab_size)
         with self._lock:
             self._compiled[output] = compiled
             while len(self._compiled) > COMPILED_KEPT:
@@ -109,7 +109,7 @@ class GrammarCompiler:
         return self._tokenizer
 
 
-def _compile(output: StructuredOutput, tokenizer: Any) -> Any:
+def _compile(output: StructuredOutput, tokenizer: Any, vocab_size: int) -> Any:
     import llguidance
 
     if len(output.spec) > MAX_SPEC_CHARS:
@@ -125,11 +125,26 @@ def _compile(output: StructuredOutput, tokenizer: Any) -> Any:
     if error := llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits):
         raise InvalidField(STRUCTURED_OUTPUT, f"structured output: the {output.kind} is not valid: {error.strip()}")
     matcher = llguidance.LLMatcher(tokenizer, grammar, limits=limits)
+    if not matcher.is_error():  # a first mask, on a copy: a grammar no text can complete fails here
+        first = matcher.deep_copy()
+        allowed_next(first, vocab_size)
+        matcher = first if first.is_error() else matcher
     if matcher.is_error():
         raise InvalidField(
-            STRUCTURED_OUTPUT, f"structured output: the {output.kind} cannot be used: {matcher.get_error()}"
+            STRUCTURED_OUTPUT, f"structured output: the {output.kind} cannot be used: {why(matcher.get_error())}"
         )
     return matcher
+
+
+def why(error: str) -> str:
+    """llguidance's error in words a user can act on (its non-verbose form names only the cause)."""
+    cause = error.replace("<non-verbose/>", "").strip()
+    if cause.startswith("NoExtensionBias"):
+        return (
+            "no text can complete it: no token may come next (a rule that can never end, like `start: start "
+            "start`, or one that needs more than is left of max_tokens)"
+        )
+    return cause
 
 
 def mask_disallowed(logits: Tensor, rows: list[int], matchers: list[Any]) -> dict[int, str]:
@@ -144,7 +159,7 @@ def mask_disallowed(logits: Tensor, rows: list[int], matchers: list[Any]) -> dic
         except Exception as error:  # llguidance raises only on misuse; keep it to this request
             failures[index] = str(error)
         if index not in failures and matcher.is_error():
-            failures[index] = matcher.get_error()
+            failures[index] = why(matcher.get_error())
         if index in failures:
             bitmask[index] = 0
     logits[rows] = logits[rows].masked_fill(~_unpack(bitmask, logits.shape[1]), float("-inf"))
@@ -178,4 +193,4 @@ class GrammarError(Exception):
 def advance(matcher: Any, token: int) -> None:
     """Feeds the sampled token to the matcher; GrammarError if it was not allowed."""
     if not matcher.consume_token(token):
-        raise GrammarError(f"structured output: the grammar refused token {token}: {matcher.get_error()}")
+        raise GrammarError(f"structured output: the grammar refused token {token}: {why(matcher.get_error())}")

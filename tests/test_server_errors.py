@@ -88,6 +88,13 @@ BAD_REQUESTS = [
     ("invalid JSON schema", COMPLETIONS, {"json": completion(guided_json={"type": "nonsense"})}, 400, "guided_json"),
     ("invalid regex", COMPLETIONS, {"json": completion(guided_regex="[0-9")}, 400, "guided_regex"),
     (
+        "a grammar that never ends",
+        COMPLETIONS,
+        {"json": completion(guided_grammar="start: start start")},
+        400,
+        "the grammar cannot be used: no text can complete it",
+    ),
+    (
         "two structured outputs",
         COMPLETIONS,
         {"json": completion(guided_regex="a+", guided_choice=["a", "b"])},
