@@ -57,30 +57,35 @@ def server() -> Iterator[LiveServer]:
         yield running
 
 
-async def stream_text(client: httpx.AsyncClient, prompt: str, started: asyncio.Event) -> str:
-    text = ""
+async def stream_text(client: httpx.AsyncClient, prompt: str, started: asyncio.Event) -> tuple[str, float]:
+    """The stream's text, and when its last token came (the event loop's clock)."""
+    text, last = "", 0.0
     async with client.stream("POST", "/v1/completions", json={**STREAM, "prompt": prompt}) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
                 text += json.loads(line[6:])["choices"][0]["text"]
+                last = asyncio.get_running_loop().time()
                 started.set()
-    return text
+    return text, last
 
 
 async def poison(client: httpx.AsyncClient, fields: dict[str, Any], stream: bool, started: asyncio.Event) -> Any:
-    """Sent while the streams run; returns (status, error) of the answer or of the stream's error event."""
+    """Sent once the streams run; returns (status, error) of the answer or of the stream's error
+    event, and when it ended (the event loop's clock)."""
     await started.wait()
     body = {"model": MODEL, "prompt": "Say hi", "max_tokens": 4, "temperature": 0, **fields, "stream": stream}
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
-            return response.status_code, json.loads(await response.aread())["error"]
+            error = json.loads(await response.aread())["error"]
+            return response.status_code, error, asyncio.get_running_loop().time()
         events = [json.loads(line[6:]) async for line in response.aiter_lines() if line.startswith("data: {")]
     errors = [event["error"] for event in events if "error" in event]
-    return (errors[0]["code"], errors[0]) if errors else (200, None)
+    ended = asyncio.get_running_loop().time()
+    return (errors[0]["code"], errors[0], ended) if errors else (200, None, ended)
 
 
-async def serve(url: str, poisoned: bool) -> tuple[list[str], list[Any]]:
+async def serve(url: str, poisoned: bool) -> tuple[list[tuple[str, float]], list[Any]]:
     started = asyncio.Event()
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         streams = [stream_text(client, prompt, started) for prompt in PROMPTS]
@@ -91,10 +96,13 @@ async def serve(url: str, poisoned: bool) -> tuple[list[str], list[Any]]:
 
 def test_poisoned_requests_end_alone_and_the_others_are_unchanged(server: LiveServer) -> None:
     unloaded, _ = asyncio.run(serve(server.url, poisoned=False))
-    texts, answers = asyncio.run(serve(server.url, poisoned=True))
-    assert texts == unloaded
+    streams, answers = asyncio.run(serve(server.url, poisoned=True))
+    assert [text for text, _ in streams] == [text for text, _ in unloaded]
+    # the poisons were sent after the streams' first token and all ended before any stream's
+    # last: they ran beside the streams (the grammar cases in the same iterations), not after
+    assert max(ended for *_, ended in answers) < min(last for _, last in streams)
     expected = [(case, status, words) for case, _, status, words in POISON for _ in (False, True)]
-    for (case, status, words), (got, error) in zip(expected, answers, strict=True):
+    for (case, status, words), (got, error, _) in zip(expected, answers, strict=True):
         assert got == status and error is not None, (case, got, error)
         assert words in error["message"], (case, error)
     assert server.engine.num_pending == 0

@@ -79,12 +79,15 @@ AGAINST_FLOAT64 = """
 import torch
 from vattn.ops import vattn_ops
 ops, generator = vattn_ops(), torch.Generator().manual_seed(0)
-def check(q, k, v, lengths, news, tolerance):
+def check(q, k, v, lengths, news, tolerance, scales=None):  # scales: an int8 cache's, which widen k and v
     dim, kv_heads = q.shape[-1], k.shape[2]
     group = q.shape[1] // kv_heads
     out, starts = torch.empty_like(q), torch.tensor([0, *news[:-1]]).cumsum(0)
     slots = torch.arange(len(lengths))
-    ops.ragged_attention(out, q, k, v, slots, starts, torch.tensor(news), torch.tensor(lengths), dim**-0.5)
+    calls = (None, None, *scales) if scales else ()
+    ops.ragged_attention(out, q, k, v, slots, starts, torch.tensor(news), torch.tensor(lengths), dim**-0.5, *calls)
+    if scales:
+        k, v = (x.double() * s[..., None].double() for x, s in zip((k, v), scales))
     for b, (length, new) in enumerate(zip(lengths, news)):
         rows = slice(starts[b], starts[b] + new)
         keys, values = (x[b, :length].double().repeat_interleave(group, 1).transpose(0, 1) for x in (k, v))
@@ -96,15 +99,22 @@ def check(q, k, v, lengths, news, tolerance):
 
 # Head dims that take each SIMD body (and, on AVX-512, every width of its many-lane value sums:
 # 64 + 48, 48), over lengths that end mid-block (blocks of 16 keys) and chunks whose rows end
-# mid-block, with float32 queries on float32, float16 and bfloat16 caches.
+# mid-block, with float32 queries on float32, float16, bfloat16 and int8 caches (an int8 row
+# widened by its scale: the reference reads the same dequantized values).
 SIMD_CHECK = (
     AGAINST_FLOAT64
     + """
+lengths, news = [1, 17, 40, 300, 33], [1, 1, 20, 1, 33]
 for dim, cache_dtype in [(d, t) for d in (64, 112, 48, 40, 12) for t in (torch.float32, torch.float16, torch.bfloat16)]:
     k, v = (torch.randn(5, 300, 3, dim, generator=generator).to(cache_dtype) for _ in range(2))
-    check(torch.randn(56, 9, dim, generator=generator), k, v, [1, 17, 40, 300, 33], [1, 1, 20, 1, 33], 1e-5)
+    check(torch.randn(56, 9, dim, generator=generator), k, v, lengths, news, 1e-5)
     if cache_dtype == torch.float32:
         print(ops.attention_simd(dim), end=" ")
+for dim in (64, 112, 48, 40, 12):
+    raw = [torch.randn(5, 300, 3, dim, generator=generator) for _ in range(2)]
+    scales = [x.abs().amax(-1) / 127 for x in raw]
+    k8, v8 = (torch.round(x / s[..., None]).to(torch.int8) for x, s in zip(raw, scales))
+    check(torch.randn(56, 9, dim, generator=generator), k8, v8, lengths, news, 1e-5, scales)
 """
 )
 WIDEST = vattn_ops().attention_simd(64)

@@ -8,7 +8,9 @@ from importlib.metadata import version as package_version
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
+from serving.default_model import default_model_dir
 from tests.live_server import MODEL, LiveServer, live_server, metric_values, openai_client
 
 PROMPT = "The capital of France is"
@@ -47,12 +49,19 @@ def test_completion_is_greedy_and_counts_tokens(client: openai.OpenAI) -> None:
 
 
 def test_token_id_prompts_and_several_prompts(client: openai.OpenAI) -> None:
-    ids = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0)
-    assert ids.choices[0].logprobs is not None
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    as_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    as_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert as_ids.usage.prompt_tokens == len(ids) == as_text.usage.prompt_tokens
+    assert as_ids.choices[0].text == as_text.choices[0].text and as_ids.choices[0].text.startswith(" Paris")
+    counting = tokenizer("1, 2, 3, 4,", add_special_tokens=False)["input_ids"]
+    several_ids = client.completions.create(model=MODEL, prompt=[ids, counting], max_tokens=4, temperature=0)
+    assert [c.text for c in several_ids.choices] == [as_text.choices[0].text, " 5, 6"]
     both = client.completions.create(model=MODEL, prompt=[PROMPT, "1, 2, 3, 4,"], max_tokens=4, temperature=0, n=2)
     assert [c.index for c in both.choices] == [0, 1, 2, 3]
-    assert both.choices[0].text == both.choices[1].text and both.choices[0].text.startswith(" Paris")
-    assert both.choices[2].text.startswith(" 5")
+    assert both.choices[0].text == both.choices[1].text == as_text.choices[0].text
+    assert [c.text for c in both.choices[2:]] == [" 5, 6"] * 2
 
 
 def test_chat_answers_through_the_template(client: openai.OpenAI) -> None:
