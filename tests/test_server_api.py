@@ -57,11 +57,11 @@ def test_token_id_prompts_and_several_prompts(client: openai.OpenAI) -> None:
     assert as_ids.choices[0].text == as_text.choices[0].text and as_ids.choices[0].text.startswith(" Paris")
     counting = tokenizer("1, 2, 3, 4,", add_special_tokens=False)["input_ids"]
     several_ids = client.completions.create(model=MODEL, prompt=[ids, counting], max_tokens=4, temperature=0)
-    assert [c.text for c in several_ids.choices] == [as_text.choices[0].text, " 5, 6"]
+    assert [c.text for c in several_ids.choices] == [as_text.choices[0].text, " 5, "]
     both = client.completions.create(model=MODEL, prompt=[PROMPT, "1, 2, 3, 4,"], max_tokens=4, temperature=0, n=2)
     assert [c.index for c in both.choices] == [0, 1, 2, 3]
     assert both.choices[0].text == both.choices[1].text == as_text.choices[0].text
-    assert [c.text for c in both.choices[2:]] == [" 5, 6"] * 2
+    assert [c.text for c in both.choices[2:]] == [" 5, "] * 2
 
 
 def test_chat_answers_through_the_template(client: openai.OpenAI) -> None:

@@ -59,7 +59,7 @@ def test_no_import_cycles() -> None:
         state[name] = "open"
         for target in sorted(graph[name]):
             if state.get(target) == "open":
-                cycle = trail[trail.index(target) :] + [target]
+                cycle = [*trail[trail.index(target) :], target]
                 raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
             if target not in state:
                 visit(target, [*trail, target])
