@@ -121,7 +121,7 @@ LLAMA_SRC := $(LLAMA_DIR)/src/vendor/llama.cpp
 
 peers: peer-vllm peer-llamacpp peer-hf peer-openvino
 
-# The routers `vattn replicas` (serving/replicas.py) starts in front of vattn replicas, in their own
+# The routers `vattn replicas` (serving/server/replicas.py) starts in front of vattn replicas, in their own
 # venv: vllm-router (the end-to-end test's, installed by `make test`) and SMG on demand.
 ROUTER_VENV := $(PEERS)/router
 VLLM_ROUTER := vllm-router==0.1.17

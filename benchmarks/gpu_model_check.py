@@ -1,4 +1,4 @@
-"""The synthetic models (serving.synthetic_model) served on every kernel: greedy tokens and logits
+"""The synthetic models (serving.model.synthetic) served on every kernel: greedy tokens and logits
 against each other and against a CPU float32 run of the same weights.
 
     python -m benchmarks.gpu_model_check --out gpu-out/model_check.json
@@ -60,8 +60,8 @@ from torch import Tensor
 
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
+from serving.model.synthetic import PREFIX, SYNTHETIC_MODELS, build_tokenizer, special_token_ids
 from serving.sampling_params import SamplingParams
-from serving.synthetic_model import PREFIX, SYNTHETIC_MODELS, build_tokenizer, special_token_ids
 from vattn.errors import UnavailableError
 from vattn.kernels import KERNELS
 from vattn.paged import PAGED_KERNELS

@@ -32,7 +32,7 @@ from measure.results import RESULTS_DIR, command_line, machine_facts, print_tabl
 from measure.workloads import CONFIGS, engine_options, random_word_prompts
 from serving import LLM, SamplingParams
 from serving.default_model import ensure_default_model
-from serving.linear import DenseLinear
+from serving.model.linear import DenseLinear
 
 LEVELS = (1, 16, 48)
 """serving_compare's default levels: its prompts are drawn for all of them, in this order."""

@@ -53,7 +53,7 @@ from measure.results import (
 )
 from measure.workloads import engine_options, random_word_prompts
 from serving.default_model import ensure_default_model
-from serving.synthetic_model import build_tokenizer, is_synthetic, synthetic_spec
+from serving.model.synthetic import build_tokenizer, is_synthetic, synthetic_spec
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

@@ -3,7 +3,7 @@
 Workload: `--system-prompts` system prompts of 500-1,000 tokens (common English words, seeded)
 and `--questions` different questions of 20-40 words; request k is question k after system
 prompt k mod 8, sent in a seeded shuffled order with `--concurrency` in flight, 32 output
-tokens each (ignore_eos). Three set-ups, each started by `vattn replicas` (serving.replicas)
+tokens each (ignore_eos). Three set-ups, each started by `vattn replicas` (serving.server.replicas)
 with a router in front (`make router router-smg`), the same 1 GiB of KV in all:
 - one replica with both cores and a 1 GiB KV budget (behind vllm-router);
 - two replicas pinned to one core each, 512 MiB each, vllm-router's `cache_aware` policy;
@@ -53,7 +53,7 @@ from measure.results import (
 )
 from measure.streams import Timing, one_request, summarize
 from measure.workloads import WORDS
-from serving.replicas import ReplicaPlan, ReplicaSet, free_port_run
+from serving.server.replicas import ReplicaPlan, ReplicaSet, free_port_run
 
 SETUPS = (
     ("1 replica, 2 cores", 1, None, "vllm-router", "round_robin", "1G"),

@@ -2,7 +2,7 @@
 
     python -m measure.onednn     # one line of JSON
 
-Runs a float32, a bfloat16 and a `bf16`-preset projection (serving.linear, as the engine
+Runs a float32, a bfloat16 and a `bf16`-preset projection (serving.model.linear, as the engine
 builds them) under ONEDNN_VERBOSE=1 in a process of its own, and reports oneDNN's ISA line
 (what `ONEDNN_MAX_CPU_ISA` caps it to), the implementation float32 and bfloat16 projections ran
 on (e.g. `brg_matmul:avx512_core_bf16`, AMX's `brg_matmul:avx10_1_512_amx`, or `F.linear` where
@@ -27,7 +27,7 @@ def _projections() -> dict[str, Any]:
     """Runs in the child: each projection once, with its error against float64."""
     import torch
 
-    from serving.linear import Bf16Linear, DenseLinear
+    from serving.model.linear import Bf16Linear, DenseLinear
 
     out, inputs, rows = SHAPE
     generator = torch.Generator().manual_seed(0)

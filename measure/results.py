@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from measure import onednn
-from serving.cpu_features import cpu_flags, cpu_kernels
+from serving.model.cpu_features import cpu_flags, cpu_kernels
 from vattn.sizes import KiB, MiB
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.cpu_features import bf16_native
-from serving.linear import QUANTIZATIONS
+from serving.model.cpu_features import bf16_native
 from vattn.config import DTYPES, KVCacheConfig
 from vattn.kernels import KERNELS
 from vattn.paged import PAGED_KERNELS
@@ -18,17 +17,19 @@ KV_CACHES = ("virtual", "paged")
 MODEL_DTYPES = {name: dtype for name, dtype in DTYPES.items() if dtype.is_floating_point}
 """The model's precisions (the KV cache's may also be int8)."""
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "int8")
+QUANTIZATIONS = ("none", "bf16", "int8", "int8_weight_only", "q8_0", "gguf")
+"""The projections' arithmetic (serving.model.linear.make_linear): as the weights, or one of these presets."""
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None
     """A safetensors folder or .gguf file, or `synthetic:<name>` (a random-weight model built on the
-    spot, serving.synthetic_model); None is the default model (fetched on first use)."""
+    spot, serving.model.synthetic); None is the default model (fetched on first use)."""
     dtype: str = "auto"
     """The model's precision: `float32` (exact), `bfloat16`, `float16`, or `auto`: on the CPU
     bfloat16 (weights, activations, KV cache; the LM head in float32) where the CPU runs bf16
-    natively (AVX512_BF16, AMX: `serving.cpu_features.bf16_native`) and neither a quantization
+    natively (AVX512_BF16, AMX: `serving.model.cpu_features.bf16_native`) and neither a quantization
     nor another KV precision is asked for, measured near-lossless (benchmarks/README,
     `quality_bf16`) and the fastest of the bf16 class offline; float32 elsewhere, and under
     tensor parallelism (ranks on other machines must compute alike); bfloat16 on a GPU."""
@@ -70,7 +71,7 @@ class EngineConfig:
     `sdpa` on CUDA); paged cache, vattn.paged.PAGED_KERNELS (`auto`: `paged` on the host,
     `paged_flashinfer` on CUDA)."""
     quantization: str = "auto"
-    """Weights (serving.linear): `none` (as `dtype`), `bf16`, `int8`, `int8_weight_only`, `q8_0`,
+    """Weights (serving.model.linear): `none` (as `dtype`), `bf16`, `int8`, `int8_weight_only`, `q8_0`,
     or `gguf` (a GGUF file's quantized weights as stored); `auto`: `gguf` for a GGUF file, else `none`."""
     kv_cache_dtype: str = "auto"
     """The KV cache's precision (vLLM's --kv-cache-dtype): `auto` is `dtype`; `float16` (llama.cpp's
@@ -79,7 +80,7 @@ class EngineConfig:
     kernel reads a cache of another precision than the model's (int8: the paged kernel too)."""
     tensor_parallel_size: int = 1
     """Ranks that split every layer's heads and MLP columns, each with its own KV cache for its
-    KV heads (serving.tensor_parallel; `kv_budget` is each rank's); it must divide the KV heads."""
+    KV heads (serving.model.tensor_parallel; `kv_budget` is each rank's); it must divide the KV heads."""
     tp_init_method: str | None = None
     """Where the ranks meet (torch.distributed's `tcp://host:port`); None: on this machine, the
     other ranks started by rank 0 on a free loopback port."""

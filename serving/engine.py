@@ -23,7 +23,7 @@ from serving.default_model import ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
 from serving.executor import ModelExecutor, make_executor
 from serving.kv_store import KVStore
-from serving.model_loader import load_model, model_shape, return_freed_memory
+from serving.model.loader import load_model, model_shape, return_freed_memory
 from serving.outputs import RequestOutput, StreamDelta
 from serving.request import (
     Request,

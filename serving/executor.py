@@ -3,14 +3,16 @@
 It owns the KV store's compute side and the model runner. The continuous-batching engine
 (serving.engine) and beam search (serving.beam_search) each decide what runs and drive it.
 `make_executor` builds the KV store and the executor for a config; with tensor parallelism,
-rank 0's executor and its followers (serving.tensor_parallel), which its `close` stops, so no
-driver knows that ranks exist.
+rank 0's executor, whose KV store logs the calls that change the cache (MirroredKVStore) for
+the follower ranks (`follow`, this module run with `python -m`) to replay, and which its
+`close` stops, so no driver knows that ranks exist. The ranks' mechanics (process group,
+sharding, starting followers) are serving.model.tensor_parallel's.
 """
 
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -18,13 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from serving import tensor_parallel
 from serving.config import EngineConfig
 from serving.kv_store import IterationBatch, KVStore, make_kv_store
-from serving.model_loader import ModelShape, load_model, model_shape, return_freed_memory
-from serving.model_runner import ModelRunner, Reduce
-from serving.tensor_parallel import Group, MirroredKVStore
-from vattn import PageBudget
+from serving.model import tensor_parallel
+from serving.model.loader import ModelShape, load_model, model_shape, return_freed_memory
+from serving.model.runner import ModelRunner, Reduce
+from serving.model.tensor_parallel import Group
+from vattn import CacheStats, PageBudget
+from vattn.prefix_cache import CacheEvent
 
 
 class KVSequence(Protocol):
@@ -109,6 +112,86 @@ class ModelExecutor:
         cache's device, copied to the CPU, where the sampler reads them. (the CUDA dry run's
         executor overrides it: its fake CUDA tensors hold no values to copy.)"""
         return logits.cpu()
+
+
+MIRRORED = ("admit", "reuse_prefix", "remember", "fork", "grow", "free", "reset_prefix_cache")
+"""The KV-store calls that change a cache: rank 0's are replayed on every follower, in order."""
+
+
+class MirroredKVStore(KVStore):
+    """Rank 0's KV store: every call that changes the cache (MIRRORED) runs here and is logged
+    for the followers, who replay the log before the next iteration (`take_log`)."""
+
+    def __init__(self, store: KVStore) -> None:
+        self._store = store
+        self.device = store.device
+        self._log: list[tuple[str, tuple[Any, ...], Any]] = []
+
+    def take_log(self) -> list[tuple[str, tuple[Any, ...], Any]]:
+        log, self._log = self._log, []
+        return log
+
+    def _logged(self, name: str, call: Callable[..., Any], *args: Any) -> Any:
+        result = call(*args)  # raises before logging: a call that failed changed nothing
+        self._log.append((name, args, result))
+        return result
+
+    def admit(self, num_tokens: int, growing: Mapping[int, int] | None = None) -> int | None:
+        return self._logged("admit", self._store.admit, num_tokens, growing)
+
+    def reuse_prefix(self, slot: int, token_ids: Sequence[int], salt: str | None = None) -> int:
+        return self._logged("reuse_prefix", self._store.reuse_prefix, slot, token_ids, salt)
+
+    def remember(self, slot: int, token_ids: Sequence[int]) -> None:
+        self._logged("remember", self._store.remember, slot, token_ids)
+
+    def fork(self, slot: int) -> int | None:
+        return self._logged("fork", self._store.fork, slot)
+
+    def grow(self, lengths: Mapping[int, int]) -> None:
+        self._logged("grow", self._store.grow, lengths)
+
+    def free(self, slot: int) -> None:
+        self._logged("free", self._store.free, slot)
+
+    def reset_prefix_cache(self) -> None:
+        self._logged("reset_prefix_cache", self._store.reset_prefix_cache)
+
+    def fork_min_tokens(self) -> int | None:
+        return self._store.fork_min_tokens()
+
+    def slot_bytes(self, num_tokens: int) -> int:
+        return self._store.slot_bytes(num_tokens)
+
+    def plan(self, slots: Sequence[int], new_tokens: Sequence[int]) -> IterationBatch:
+        return self._store.plan(slots, new_tokens)
+
+    def attend(self, layer: int, batch: IterationBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return self._store.attend(layer, batch, q, k, v)
+
+    def stats(self) -> CacheStats:
+        return self._store.stats()
+
+    def take_events(self) -> list[CacheEvent]:
+        return self._store.take_events()
+
+    def release_memory(self) -> int:
+        return self._store.release_memory()
+
+    def close(self) -> None:
+        self._store.close()
+
+
+def replay(store: KVStore, log: Sequence[tuple[str, tuple[Any, ...], Any]]) -> None:
+    """A follower's cache takes rank 0's calls; each must give rank 0's result (a follower's
+    cache holds 1/size of rank 0's bytes per token under the same budget, so it has room
+    wherever rank 0 had)."""
+    for name, args, result in log:
+        if name == "admit" and result is None:  # rank 0 found no room and took nothing
+            continue
+        mine = getattr(store, name)(*args)
+        if mine != result:
+            raise RuntimeError(f"tensor-parallel ranks diverged: {name}{args} gave {mine} here, {result} on rank 0")
 
 
 class TensorParallelExecutor(ModelExecutor):

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from serving.config import EngineConfig
-from serving.model_loader import ModelShape
+from serving.model.loader import ModelShape
 from vattn import CacheStats, KVCache, KVCacheConfig, PageBudget
 from vattn.errors import CapacityError
 from vattn.kernels import make_kernel

@@ -36,8 +36,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.executor import KVSequence, ModelExecutor
-from serving.linear import DenseLinear
-from serving.model_runner import Norm
+from serving.model.linear import DenseLinear
+from serving.model.runner import Norm
 from serving.sampling_params import SamplingParams
 from tests.fake_gpu import FakeCudaMode, device_guard, fake_cuda_memory
 from vattn import ConfigurationError, KVCache, KVCacheConfig, UnavailableError

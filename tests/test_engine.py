@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from serving import LLM, SamplingParams
 from serving.config import EngineConfig
-from serving.cpu_features import bf16_native, int8_activations_fast
 from serving.default_model import default_gguf, ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
+from serving.model.cpu_features import bf16_native, int8_activations_fast
 from serving.request import Request
 from serving.scheduler import assign_fork_parents
 from serving.structured_output import StructuredOutput
@@ -156,7 +156,7 @@ def test_loads_the_gguf_file_and_bfloat16(hf_greedy: list[list[int]]) -> None:
     ],
 )
 def test_quantized_weights_still_answer(quantization: str) -> None:
-    """Weights in bf16 or int8 (serving.linear): the answer survives; model_speed measures how close."""
+    """Weights in bf16 or int8 (serving.model.linear): the answer survives; model_speed measures how close."""
     small = LLM(quantization=quantization, max_slots=2, max_context=128, kv_budget=16 << 20)
     try:
         (out,) = small.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)

@@ -8,9 +8,9 @@ import torch
 from serving import LLM, SamplingParams
 from serving.config import EngineConfig
 from serving.default_model import default_gguf
-from serving.gguf_weights import unpermute_order
-from serving.linear import GroupedLinear
-from serving.model_runner import QuantizedEmbedding
+from serving.model.gguf_weights import unpermute_order
+from serving.model.linear import GroupedLinear
+from serving.model.runner import QuantizedEmbedding
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 

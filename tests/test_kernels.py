@@ -12,7 +12,7 @@ import pytest
 import torch
 from checks import check_kernel
 
-from serving.cpu_features import cpu_flags
+from serving.model.cpu_features import cpu_flags
 from vattn import KVCache, KVCacheConfig, UnavailableError
 from vattn.backends.cuda_calls import NativeCudaCalls
 from vattn.backends.native import load_native, native_available

@@ -11,19 +11,11 @@ import sys
 import pytest
 import torch
 
-from serving.cpu_features import bf16_available, cpu_kernels, int8_activations_fast, vnni_available
-from serving.linear import (
-    GROUP,
-    QUANTIZATIONS,
-    DenseLinear,
-    GroupedLinear,
-    GroupedWeight,
-    PairedWeight,
-    fused,
-    make_linear,
-    paired_kernels,
-)
-from serving.model_runner import Float32Head, lm_head
+from serving.config import QUANTIZATIONS
+from serving.model.cpu_features import bf16_available, cpu_kernels, int8_activations_fast, vnni_available
+from serving.model.linear import DenseLinear, GroupedLinear, fused, make_linear, paired_kernels
+from serving.model.runner import Float32Head, lm_head
+from serving.model.weights import GROUP, GroupedWeight, PairedWeight
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
 
@@ -296,7 +288,8 @@ def test_aten_cpu_capability_avx2_forces_the_avx2_path() -> None:
     if "avx2" not in KERNELS:
         pytest.skip("this CPU has no AVX2")
     script = (
-        "import torch; from serving.cpu_features import cpu_kernels; from serving.linear import GroupedLinear\n"
+        "import torch\nfrom serving.model.cpu_features import cpu_kernels\n"
+        "from serving.model.linear import GroupedLinear\n"
         "torch.manual_seed(0)\n"
         "x = torch.randn(3, 96)\n"
         "for outputs, rtol in ((64, 1e-3), (72, 1e-5)):\n"
@@ -314,7 +307,7 @@ def test_int8_activations_are_refused_where_int_mm_would_stall() -> None:
     """Without AVX-512 VNNI (here: forced to AVX2) torch's _int_mm is ~20x slower than fp32: the
     int8 preset is refused at once, naming the one that is fast there."""
     script = (
-        "import torch; from serving.linear import make_linear\n"
+        "import torch; from serving.model.linear import make_linear\n"
         "try:\n    make_linear(torch.randn(64, 96), None, 'int8')\nexcept Exception as exc:\n    print(exc)"
     )
     env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2"}

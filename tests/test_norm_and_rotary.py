@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from serving.model_runner import Norm, rotate
+from serving.model.runner import Norm, rotate
 
 DTYPES = [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)]
 

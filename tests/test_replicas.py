@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from serving.replicas import find_router, free_port_run
+from serving.server.replicas import find_router, free_port_run
 from tests.live_server import MODEL
 
 VATTN = Path(sys.executable).parent / "vattn"

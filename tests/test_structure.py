@@ -70,6 +70,18 @@ def test_no_import_cycles() -> None:
             visit(name, [name])
 
 
+def test_the_model_package_imports_nothing_of_the_engine() -> None:
+    """serving.model reads its settings (serving.config) and vattn's operators, nothing else of serving."""
+    for name, path in sources().items():
+        if name == "serving.model" or name.startswith("serving.model."):
+            outside = {
+                target
+                for target in imports(name, path)
+                if target.startswith("serving") and not target.startswith("serving.model")
+            }
+            assert outside <= {"serving", "serving.config"}, f"{name} imports {sorted(outside)}"
+
+
 def library_files() -> list[Path]:
     return sorted(path for package in LIBRARY for path in (ROOT / package).rglob("*.py"))
 

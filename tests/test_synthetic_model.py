@@ -18,9 +18,9 @@ from benchmarks import gpu_model_check
 from benchmarks.gpu_model_check import LONG_TOKENS, Run, engine_config, run_workload, workload
 from measure.results import free_port
 from serving.chat_template import chat_prompt_ids
-from serving.model_loader import load_model, model_shape
+from serving.model.loader import load_model, model_shape
+from serving.model.synthetic import SYNTHETIC_MODELS, build_tokenizer, llama_config, load_synthetic
 from serving.server.cli import main
-from serving.synthetic_model import SYNTHETIC_MODELS, build_tokenizer, llama_config, load_synthetic
 from tests.live_server import read_until
 
 VATTN = Path(sys.executable).parent / "vattn"

@@ -13,7 +13,7 @@ import torch
 from measure.workloads import small_llama
 from serving import LLM, SamplingParams
 from serving.config import EngineConfig
-from serving.tensor_parallel import free_port
+from serving.model.tensor_parallel import free_port
 
 VATTN = Path(sys.executable).parent / "vattn"
 

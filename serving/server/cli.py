@@ -11,10 +11,8 @@ from collections.abc import Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 
-from serving.config import KV_CACHE_DTYPES, KV_CACHES, MODEL_DTYPES, EngineConfig
-from serving.linear import QUANTIZATIONS
-from serving.replicas import ROUTERS, ReplicaPlan, parse_serve_args
-from serving.replicas import run as run_replicas
+from serving.config import KV_CACHE_DTYPES, KV_CACHES, MODEL_DTYPES, QUANTIZATIONS, EngineConfig
+from serving.model.synthetic import SYNTHETIC_MODELS, is_synthetic, synthetic_spec
 from serving.server.cli_args import (
     DefaultsHelpFormatter,
     host_names,
@@ -26,8 +24,9 @@ from serving.server.cli_args import (
     share,
     size,
 )
+from serving.server.replicas import ROUTERS, ReplicaPlan, parse_serve_args
+from serving.server.replicas import run as run_replicas
 from serving.server.settings import LOOPBACK_HOSTS, ServerSettings
-from serving.synthetic_model import SYNTHETIC_MODELS, is_synthetic, synthetic_spec
 from vattn.backends import BACKENDS
 from vattn.kernels import KERNELS
 from vattn.paged import PAGED_KERNELS

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from serving.gguf_weights import attach_gguf_weights
+from serving.model.gguf_weights import attach_gguf_weights
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -28,11 +28,11 @@ class ModelShape:
 
 def load_model(path: str | Path, dtype: torch.dtype, gguf_weights: bool = False) -> tuple[Any, Any]:
     """A causal LM and its tokenizer from a safetensors folder or a GGUF file, or built on the
-    spot for `synthetic:<name>` (serving.synthetic_model); with `gguf_weights`, a GGUF file's
+    spot for `synthetic:<name>` (serving.model.synthetic); with `gguf_weights`, a GGUF file's
     projections also carry its quantized weights as stored."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from serving.synthetic_model import is_synthetic, load_synthetic
+    from serving.model.synthetic import is_synthetic, load_synthetic
 
     if is_synthetic(path):
         return load_synthetic(path, dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,14 +19,23 @@ from torch import Tensor
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from serving.linear import DenseLinear, GroupedLinear, GroupedWeight, Linear, PairedWeight, fused
-from serving.model_loader import ModelShape
+from serving.model.linear import DenseLinear, GroupedLinear, Linear, fused
+from serving.model.loader import ModelShape
+from serving.model.weights import GroupedWeight, PairedWeight
 from vattn.ops import vattn_ops
 
-if TYPE_CHECKING:
-    from serving.kv_store import IterationBatch
 
-Attend = Callable[[int, "IterationBatch", Tensor, Tensor, Tensor], Tensor]
+class AttentionInput(Protocol):
+    """What the model reads of an iteration's attention batch (the KV store's IterationBatch):
+    the rest of it only the attention callback reads."""
+
+    @property
+    def token_positions(self) -> Tensor:
+        """int64 `[tokens]`: each new token's position in its request, for the rotary embedding."""
+        ...
+
+
+Attend = Callable[[int, AttentionInput, Tensor, Tensor, Tensor], Tensor]
 """(layer, batch, q, k, v) -> attention output: stores the new K/V and attends over the cache."""
 Reduce = Callable[[Tensor], Tensor]
 """Sums a tensor-parallel rank's partial projection output over the ranks (in place)."""
@@ -167,7 +176,7 @@ class ModelRunner:
         self._attend = attend
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, batch: IterationBatch) -> Tensor:
+    def forward(self, input_ids: Tensor, batch: AttentionInput) -> Tensor:
         """Hidden states `[tokens, hidden]` after the final norm; token positions come from the batch."""
         shape, body = self._shape, self._body
         hidden = self._embed(input_ids)

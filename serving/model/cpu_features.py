@@ -1,6 +1,6 @@
 """What this CPU runs fast, read once: its flags, and the SIMD path torch and vattn's kernels take.
 
-The linears (serving.linear) choose their kernels by it, `dtype` auto (serving.config) its
+The linears (serving.model.linear) choose their kernels by it, `dtype` auto (serving.config) its
 precision, and every results file (measure.results) records it.
 """
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from serving.linear import GroupedWeight
+from serving.model.weights import GroupedWeight
 
 BLOCK_BYTES = {"Q8_0": 2 + 32, "Q4_0": 2 + 16, "Q4_1": 2 + 2 + 16}
 """Bytes of one block of 32 weights: a float16 scale (and min, Q4_1) before the quants."""

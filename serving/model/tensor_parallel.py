@@ -26,7 +26,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,16 +35,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from serving.config import EngineConfig
-from serving.kv_store import IterationBatch, KVStore
-from serving.model_loader import ModelShape
-from vattn import CacheStats
-from vattn.prefix_cache import CacheEvent
+from serving.model.loader import ModelShape
 
 IDLE_TIMEOUT = datetime.timedelta(days=30)
 """How long a follower waits for rank 0's next iteration (torch's 30-minute default would end an
 idle server's followers)."""
-MIRRORED = ("admit", "reuse_prefix", "remember", "fork", "grow", "free", "reset_prefix_cache")
-"""The KV-store calls that change a cache: rank 0's are replayed on every follower, in order."""
 
 
 def check_divisible(shape: ModelShape, intermediate: int, size: int) -> None:
@@ -117,82 +112,6 @@ def join(config: EngineConfig, rank: int) -> Group:
         timeout=IDLE_TIMEOUT,
     )
     return Group(rank, config.tensor_parallel_size)
-
-
-class MirroredKVStore(KVStore):
-    """Rank 0's KV store: every call that changes the cache (MIRRORED) runs here and is logged
-    for the followers, who replay the log before the next iteration (`take_log`)."""
-
-    def __init__(self, store: KVStore) -> None:
-        self._store = store
-        self.device = store.device
-        self._log: list[tuple[str, tuple[Any, ...], Any]] = []
-
-    def take_log(self) -> list[tuple[str, tuple[Any, ...], Any]]:
-        log, self._log = self._log, []
-        return log
-
-    def _logged(self, name: str, call: Callable[..., Any], *args: Any) -> Any:
-        result = call(*args)  # raises before logging: a call that failed changed nothing
-        self._log.append((name, args, result))
-        return result
-
-    def admit(self, num_tokens: int, growing: Mapping[int, int] | None = None) -> int | None:
-        return self._logged("admit", self._store.admit, num_tokens, growing)
-
-    def reuse_prefix(self, slot: int, token_ids: Sequence[int], salt: str | None = None) -> int:
-        return self._logged("reuse_prefix", self._store.reuse_prefix, slot, token_ids, salt)
-
-    def remember(self, slot: int, token_ids: Sequence[int]) -> None:
-        self._logged("remember", self._store.remember, slot, token_ids)
-
-    def fork(self, slot: int) -> int | None:
-        return self._logged("fork", self._store.fork, slot)
-
-    def grow(self, lengths: Mapping[int, int]) -> None:
-        self._logged("grow", self._store.grow, lengths)
-
-    def free(self, slot: int) -> None:
-        self._logged("free", self._store.free, slot)
-
-    def reset_prefix_cache(self) -> None:
-        self._logged("reset_prefix_cache", self._store.reset_prefix_cache)
-
-    def fork_min_tokens(self) -> int | None:
-        return self._store.fork_min_tokens()
-
-    def slot_bytes(self, num_tokens: int) -> int:
-        return self._store.slot_bytes(num_tokens)
-
-    def plan(self, slots: Sequence[int], new_tokens: Sequence[int]) -> IterationBatch:
-        return self._store.plan(slots, new_tokens)
-
-    def attend(self, layer: int, batch: IterationBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return self._store.attend(layer, batch, q, k, v)
-
-    def stats(self) -> CacheStats:
-        return self._store.stats()
-
-    def take_events(self) -> list[CacheEvent]:
-        return self._store.take_events()
-
-    def release_memory(self) -> int:
-        return self._store.release_memory()
-
-    def close(self) -> None:
-        self._store.close()
-
-
-def replay(store: KVStore, log: Sequence[tuple[str, tuple[Any, ...], Any]]) -> None:
-    """A follower's cache takes rank 0's calls; each must give rank 0's result (a follower's
-    cache holds 1/size of rank 0's bytes per token under the same budget, so it has room
-    wherever rank 0 had)."""
-    for name, args, result in log:
-        if name == "admit" and result is None:  # rank 0 found no room and took nothing
-            continue
-        mine = getattr(store, name)(*args)
-        if mine != result:
-            raise RuntimeError(f"tensor-parallel ranks diverged: {name}{args} gave {mine} here, {result} on rank 0")
 
 
 def free_port() -> int:
