@@ -216,11 +216,19 @@ class TensorParallelExecutor(ModelExecutor):
         return super().forward(ids, slots, new_tokens)
 
     def close(self) -> None:
-        self.group.broadcast(("stop", self.mirrored.take_log(), [], [], []))
-        dist.destroy_process_group()
-        for follower in self.followers:
-            follower.wait(60)
-        super().close()
+        """Stops the followers; the process group and this rank's cache go even if a follower
+        is gone already (a broken broadcast is raised after)."""
+        try:
+            self.group.broadcast(("stop", self.mirrored.take_log(), [], [], []))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            for follower in self.followers:
+                try:
+                    follower.wait(60)
+                except subprocess.TimeoutExpired:
+                    follower.kill()
+            super().close()
 
 
 def make_executor(
@@ -277,7 +285,7 @@ def follow(config: EngineConfig, rank: int) -> None:
     try:
         while True:
             command, log, ids, slots, new_tokens = group.broadcast(None)
-            tensor_parallel.replay(kv, log)
+            replay(kv, log)
             if command == "stop":
                 return
             executor.forward(ids, slots, new_tokens)
