@@ -2,30 +2,28 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
 
-import torch
-
 from vattn.backends import VMMBackend, make_backend
+from vattn.cache_access import CacheAccess
 from vattn.config import KVCacheConfig
 from vattn.errors import OutOfPagesError, OutOfSlotsError
 from vattn.mapper import BackgroundMapper
-from vattn.memory import CacheMemory, Lease
+from vattn.memory import CacheMemory
 from vattn.page_budget import PageBudget
 from vattn.page_policy import PagePolicy
 from vattn.page_pool import PagePool
-from vattn.prefix_cache import ROOT, CacheEvent, PrefixCache, token_ids
-from vattn.slot import Origin, Slot
+from vattn.prefix_cache import CacheEvent, PrefixCache
+from vattn.slot import Slot
 from vattn.slot_pages import SlotPages
 from vattn.stats import CacheStats, MappingCounters
 from vattn.validate import exact_int
 
 
-class KVCache:
+class KVCache(CacheAccess):
     """Per-request KV tensors in reserved address space, backed page by page.
 
     A reqid, as the paper calls it, is the index of a request slot: row `reqid` of every
@@ -83,7 +81,7 @@ class KVCache:
             if slot is None:
                 held = sum(not s.active and s.pinned() for s in self._slots)
                 raise OutOfSlotsError(self.config.max_slots, held)
-            slot.active, slot.length, slot.fresh = True, 0, True
+            slot.begin()
         self._wake_mapper()
         return slot.index
 
@@ -92,11 +90,9 @@ class KVCache:
         with self._lock:
             self._check_open()
             slot = self._active_slot(reqid)
-            if slot.tail and self.config.prefix_match == "token":
-                self._prefix.register_tail(slot, self.config.unit_groups, self.config.pages_for(len(slot.tail)))
-            slot.active, slot.length, slot.shared_groups, slot.digests, slot.root = False, 0, 0, [], ROOT
-            slot.tail, slot.fresh = [], False
-            slot.origins = [Origin.REUSED] * len(slot.pages)
+            if self.config.prefix_match == "token":
+                self._prefix.release(slot, self.config.unit_groups, self.config.pages_for(len(slot.tail)))
+            slot.end()
         self._wake_mapper()
 
     def step(self, seq_lens: Mapping[int, int]) -> None:
@@ -105,28 +101,9 @@ class KVCache:
         All or nothing: if the pages cannot be found, raises `OutOfPagesError` and no
         slot changes, so the caller can preempt a request and try again.
         """
-        cfg, width = self.config, self.config.num_buffers
         with self._lock:
             self._check_open()
-            targets = self._validated_lengths(seq_lens)
-            for slot, _ in targets:
-                self._settle(slot, 0)
-            growth = [(slot, cfg.pages_for(n) - len(slot.pages)) for slot, n in targets]
-            growth = [(slot, missing) for slot, missing in growth if missing > 0]
-            met = [
-                (slot, range(cfg.pages_for(slot.length), min(cfg.pages_for(n), len(slot.pages)))) for slot, n in targets
-            ]
-            if growth:
-                keep = {slot.index: cfg.pages_for(n) for slot, n in targets}
-                self._policy.make_room(sum(missing for _, missing in growth) * width, keep)
-                addrs = self._pages.map(growth, Origin.STEP)
-                self._counters.populate.add(*self._pages.populate(addrs))
-            already_mapped = (slot.origins[k] is Origin.BACKGROUND for slot, needed in met for k in needed)
-            self._counters.count_needs(already_mapped, sum(missing for _, missing in growth))
-            for slot, n in targets:
-                slot.length = n
-                del slot.tail[max(0, n - len(slot.digests) * cfg.unit_tokens) :]  # a shrink drops its KV
-            self._policy.trim_prefix_cache()
+            self._policy.grow(self._validated_lengths(seq_lens))
         self._wake_mapper()
 
     # ---------------------------------------------------------------- sharing
@@ -141,27 +118,12 @@ class KVCache:
         With a `salt` (vLLM's `cache_salt`) only units cached by requests with the same salt
         match, and the request's own units are cached under it. Counts `tokens` as
         prefix-cache queries and the tokens found as hits."""
-        cfg = self.config
         with self._lock:
             self._check_open()
             slot = self._active_slot(reqid)
             if slot.length or slot.shared_groups:
                 raise ValueError(f"reqid {slot.index} already holds tokens: match_prefix comes before its first step")
-            units, partial = self._prefix.match(slot, tokens, cfg.unit_tokens, salt)
-            groups = [group for found in units for group in found.pages]
-            kept = next((k for k, group in enumerate(groups[: len(slot.pages)]) if slot.pages[k] != group), None)
-            kept = min(len(groups), len(slot.pages)) if kept is None else kept  # already mapped: not remapped
-            self._settle(slot, len(groups))
-            if units:
-                self._pages.map_shared(slot, groups[kept:], kept)
-                slot.length = len(units) * cfg.unit_tokens
-                slot.shared_groups = len(units) * cfg.unit_groups
-            if partial and cfg.prefix_match == "token":
-                with contextlib.suppress(OutOfPagesError):
-                    self._policy.copy_prefix(slot, partial.unit.pages, partial.tokens)
-                    slot.length += partial.tokens
-            self._policy.trim_prefix_cache()
-            self._prefix.counters.hits += slot.length
+            self._policy.adopt_prefix(slot, *self._prefix.match(slot, tokens, self.config.unit_tokens, salt))
         self._wake_mapper()
         return slot.length
 
@@ -176,11 +138,7 @@ class KVCache:
             slot = self._active_slot(reqid)
             if len(tokens) > slot.length:
                 raise ValueError(f"reqid {slot.index} holds {slot.length} tokens, not {len(tokens)}")
-            unit, groups = self.config.unit_tokens, self.config.unit_groups
-            if len(tokens) // unit > len(slot.digests):
-                self._prefix.register(slot, tokens, unit, groups)
-                slot.shared_groups = max(slot.shared_groups, len(slot.digests) * groups)
-            slot.tail = token_ids(tokens[len(slot.digests) * unit :])
+            self._prefix.remember(slot, tokens, self.config.unit_tokens, self.config.unit_groups)
 
     def fork_reqid(self, reqid: int) -> int:
         """A new request holding the same KV as `reqid` (parallel sampling, beam search): its
@@ -197,9 +155,7 @@ class KVCache:
                 raise OutOfSlotsError(cfg.max_slots, sum(not s.active and s.pinned() for s in self._slots))
             whole = self._policy.fork(parent, child)
             self._policy.trim_prefix_cache()
-            parent.shared_groups = max(parent.shared_groups, whole)
-            child.active, child.length, child.shared_groups = True, parent.length, whole
-            child.digests, child.root = list(parent.digests), parent.root
+            child.adopt(parent, whole)
         self._wake_mapper()
         return child.index
 
@@ -226,87 +182,6 @@ class KVCache:
         with self._lock:
             self._check_open()
             self._prefix.clear()
-
-    # ---------------------------------------------------------------- views
-
-    def kv(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one request in one layer, `[length, kv_heads, head_dim]` views.
-
-        They hold the request's slot: while they live it is never unmapped and, once freed,
-        not handed out again, so they always read what this request wrote.
-        """
-        with self._lock:
-            self._check_open()
-            layer = self._layer_index(layer)
-            slot = self._active_slot(reqid)
-            return self._open_memory().views(layer, [slot], slot.length, None, self.device)
-
-    def kv_scales(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """An int8 cache's K and V scales of one request in one layer, float32 `[length, kv_heads]`
-        views that hold its slot as `kv`'s do: value d of head h at token t is `kv(...)[0][t, h, d]
-        * kv_scales(...)[0][t, h]`."""
-        with self._lock:
-            self._check_open()
-            self._require_quantized()
-            layer = self._layer_index(layer)
-            slot = self._active_slot(reqid)
-            return self._open_memory().views(layer, [slot], slot.length, None, self.device, scales=True)
-
-    def kv_batch(self, layer: int, reqids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V `[len(reqids), max length, kv_heads, head_dim]` for padded batched attention.
-
-        Every request must have the padded length mapped (pages are whole, so this holds
-        whenever the lengths share their last page; otherwise step the short ones up).
-        A view when the reqids are consecutive slots (holding them, as `kv` does), a copy of
-        the mapped rows otherwise.
-        """
-        with self._lock:
-            self._check_open()
-            layer = self._layer_index(layer)
-            if not reqids:
-                raise ValueError("kv_batch needs at least one reqid")
-            if self.config.quantized:
-                raise ValueError("kv_batch pads float K/V; an int8 cache's need their scales: use kv and kv_scales")
-            slots = [self._active_slot(r) for r in reqids]
-            return self._open_memory().padded_batch(layer, self._layers[layer], slots, self.device)
-
-    def lengths(self, reqids: Sequence[int]) -> list[int]:
-        """Tokens the last step() guaranteed for each request: all that attention may read."""
-        with self._lock:
-            self._check_open()
-            return [self._active_slot(reqid).length for reqid in reqids]
-
-    def pin(self, reqids: Sequence[int]) -> Lease:
-        """Holds these requests' slots as their views would, while the returned lease lives
-        (an attention batch holds one for its iteration)."""
-        with self._lock:
-            self._check_open()
-            return Lease(self._open_memory(), [self._active_slot(reqid) for reqid in reqids])
-
-    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's whole K and V virtual tensors, `[max_slots, max_context, kv_heads, head_dim]`.
-
-        For the attention kernels, within an iteration whose batch holds a `pin` of its
-        requests: the kernels index rows by reqid and bound every access by `lengths()`.
-        Anything else in these tensors may be unmapped or another request's.
-        """
-        with self._lock:
-            self._check_open()
-            return self._layers[self._layer_index(layer)]
-
-    def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """An int8 cache's K and V scales of one layer, `[max_slots, max_context, kv_heads]`, for
-        the kernels under the same rule as `layer_tensors`."""
-        with self._lock:
-            self._check_open()
-            self._require_quantized()
-            return self._scales[self._layer_index(layer)]
-
-    def page_table(self, reqid: int) -> list[list[int]]:
-        """Physical pages behind a request: entry k lists page k of each virtual tensor."""
-        with self._lock:
-            self._check_open()
-            return [list(pages) for pages in self._active_slot(reqid).pages]
 
     # ---------------------------------------------------------------- admission
 
@@ -346,7 +221,7 @@ class KVCache:
         those of slots that live views still hold."""
         with self._lock:
             self._check_open()
-            if self._unmap_idle():
+            if self._policy.unmap_idle():
                 self._policy.trim_prefix_cache()
 
     def release_memory(self) -> int:
@@ -358,7 +233,7 @@ class KVCache:
         with self._lock:
             self._check_open()
             self._prefix.clear()
-            self._unmap_idle()
+            self._policy.unmap_idle()
             return self._pool.shrink() * self.config.page_size
 
     def check_invariants(self) -> dict[int, int]:
@@ -402,13 +277,6 @@ class KVCache:
 
     # ---------------------------------------------------------------- internals
 
-    def _unmap_idle(self) -> bool:
-        """Unmaps every idle slot's pages but those of slots live views hold; whether any went."""
-        idle = [(s, len(s.pages)) for s in self._slots if not s.active and s.pages and not s.pinned()]
-        if idle:
-            self._pages.unmap_tail(idle)
-        return bool(idle)
-
     def _borrow(self, pages: int) -> None:
         """Asks the budget's other caches for `pages` of this cache's pages' bytes (lock held)."""
         assert self._budget is not None
@@ -428,30 +296,6 @@ class KVCache:
         finally:
             self._lock.release()
 
-    def _require_quantized(self) -> None:
-        if not self.config.quantized:
-            raise ValueError(f"only an int8 cache has scales; this one is {self.config.dtype}")
-
-    def _layer_index(self, layer: int) -> int:
-        return exact_int(layer, "layer", 0, self.config.num_layers - 1)
-
-    def _open_memory(self) -> CacheMemory:
-        if self._memory is None:
-            raise RuntimeError("this KVCache is closed")
-        return self._memory
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this KVCache is closed")
-        if self.backend.forked:
-            raise RuntimeError("this KVCache belongs to the process that forked this one and cannot be used here")
-
-    def _active_slot(self, reqid: int) -> Slot:
-        slot = self._slots[exact_int(reqid, "reqid", 0, self.config.max_slots - 1)]
-        if not slot.active:
-            raise ValueError(f"reqid {slot.index} is not allocated (never handed out, or already freed)")
-        return slot
-
     def _validated_lengths(self, seq_lens: Mapping[int, int]) -> list[tuple[Slot, int]]:
         if not isinstance(seq_lens, Mapping):
             raise ValueError(f"seq_lens must map reqid -> length, got {type(seq_lens).__name__}")
@@ -465,12 +309,6 @@ class KVCache:
             name = f"length of reqid {slot.index} ({limits})"
             targets[slot.index] = (slot, exact_int(length, name, frozen, self.config.max_context))
         return list(targets.values())
-
-    def _settle(self, slot: Slot, keep: int) -> None:
-        """A fresh slot's kept pages that it may not write go, from page group `keep` on."""
-        if slot.fresh:
-            self._pages.drop_shared(slot, keep)
-            slot.fresh = False
 
     def _frozen_tokens(self, slot: Slot) -> int:
         """The first token that lies wholly after the slot's shared page groups."""

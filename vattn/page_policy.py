@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -10,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from vattn.config import KVCacheConfig
 from vattn.errors import OutOfPagesError
 from vattn.page_pool import PagePool
-from vattn.prefix_cache import CachedUnit, PrefixCache
+from vattn.prefix_cache import CachedUnit, PartialMatch, PrefixCache
 from vattn.slot import Origin, Slot
 from vattn.slot_pages import SlotPages
 
@@ -124,6 +125,63 @@ class PagePolicy:
                 self.pages.unmap_tail([(slot, groups)])
                 done = True
         return done
+
+    def grow(self, targets: Sequence[tuple[Slot, int]]) -> None:
+        """Step's work: each slot gets pages for its new length (room made first; all or
+        nothing, OutOfPagesError with no slot changed) and that length; the prefix cache is
+        trimmed after. Counts which needs the background thread had met."""
+        cfg = self.config
+        for slot, _ in targets:
+            self.settle(slot, 0)
+        growth = [(slot, cfg.pages_for(n) - len(slot.pages)) for slot, n in targets]
+        growth = [(slot, missing) for slot, missing in growth if missing > 0]
+        met = [(slot, range(cfg.pages_for(slot.length), min(cfg.pages_for(n), len(slot.pages)))) for slot, n in targets]
+        counters = self.pages.counters
+        if growth:
+            self.make_room(
+                sum(missing for _, missing in growth) * cfg.num_buffers, {s.index: cfg.pages_for(n) for s, n in targets}
+            )
+            counters.populate.add(*self.pages.populate(self.pages.map(growth, Origin.STEP)))
+        already_mapped = (slot.origins[k] is Origin.BACKGROUND for slot, needed in met for k in needed)
+        counters.count_needs(already_mapped, sum(missing for _, missing in growth))
+        for slot, n in targets:
+            slot.length = n
+            self.prefix.forget_past(slot, n, cfg.unit_tokens)  # a shrink drops its KV
+        self.trim_prefix_cache()
+
+    def adopt_prefix(self, slot: Slot, units: Sequence[CachedUnit], partial: PartialMatch | None) -> None:
+        """A new request's matched prefix: the whole cached units' page groups mapped behind its
+        slot (shared, never copied; those it already maps kept), and with `token` matching the
+        partial unit's tokens copied into pages of its own (skipped, left to compute, if no
+        pages are free); its length is what it got. Counts the hits."""
+        cfg = self.config
+        groups = [group for found in units for group in found.pages]
+        kept = next((k for k, group in enumerate(groups[: len(slot.pages)]) if slot.pages[k] != group), None)
+        kept = min(len(groups), len(slot.pages)) if kept is None else kept  # already mapped: not remapped
+        self.settle(slot, len(groups))
+        if units:
+            self.pages.map_shared(slot, groups[kept:], kept)
+            slot.length = len(units) * cfg.unit_tokens
+            slot.shared_groups = len(units) * cfg.unit_groups
+        if partial and cfg.prefix_match == "token":
+            with contextlib.suppress(OutOfPagesError):
+                self.copy_prefix(slot, partial.unit.pages, partial.tokens)
+                slot.length += partial.tokens
+        self.trim_prefix_cache()
+        self.prefix.counters.hits += slot.length
+
+    def settle(self, slot: Slot, keep: int) -> None:
+        """A fresh slot's kept pages that it may not write go, from page group `keep` on."""
+        if slot.fresh:
+            self.pages.drop_shared(slot, keep)
+            slot.fresh = False
+
+    def unmap_idle(self) -> bool:
+        """Unmaps every idle slot's pages but those of slots live views hold; whether any went."""
+        idle = [(s, len(s.pages)) for s in self.slots if not s.active and s.pages and not s.pinned()]
+        if idle:
+            self.pages.unmap_tail(idle)
+        return bool(idle)
 
     def trim_prefix_cache(self) -> None:
         """Evicts least recently used prefix-cache entries that hold pages no slot maps until

@@ -199,10 +199,25 @@ class PrefixCache:
             parent = digest
         self._announce(stored, len(slot.digests), unit)
 
-    def register_tail(self, slot: Slot, groups: int, tail_groups: int) -> None:
-        """Caches the tokens of an ending request after its last whole unit (`slot.tail`, in its
-        first `tail_groups` page groups after them) as a partial unit, found only by matches
-        that end inside it."""
+    def remember(self, slot: Slot, tokens: Sequence[int], unit: int, groups: int) -> None:
+        """A running request holds the KV of `tokens` (from its first): its full units not yet
+        cached are cached (`register`), their pages shared from now on, and the tokens after
+        them kept as the slot's tail, cached as a partial unit when it ends (`release`)."""
+        if len(tokens) // unit > len(slot.digests):
+            self.register(slot, tokens, unit, groups)
+            slot.share(len(slot.digests) * groups)
+        slot.tail = token_ids(tokens[len(slot.digests) * unit :])
+
+    def forget_past(self, slot: Slot, length: int, unit: int) -> None:
+        """The slot now holds `length` tokens: tail tokens past it lost their KV."""
+        del slot.tail[max(0, length - len(slot.digests) * unit) :]
+
+    def release(self, slot: Slot, groups: int, tail_groups: int) -> None:
+        """An ending request's tail (the tokens after its last whole unit, in its first
+        `tail_groups` page groups after them) is cached as a partial unit, found only by matches
+        that end inside it; nothing without one."""
+        if not slot.tail:
+            return
         first = len(slot.digests) * groups
         parent = slot.digests[-1] if slot.digests else slot.root
         pages = slot.pages[first : first + tail_groups]

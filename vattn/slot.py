@@ -57,6 +57,28 @@ class Slot:
     """Per stream, the fence after the latest GPU work known to use the slot's pages (recorded as
     a lease on it dies, or after a copy from or into it): unmapping them waits for these."""
 
+    def begin(self) -> None:
+        """Handed to a new request: no tokens yet, its last request's pages still mapped (fresh)."""
+        self.active, self.length, self.fresh = True, 0, True
+
+    def end(self) -> None:
+        """Its request ended: no tokens, nothing shared or cached by it; its pages stay mapped
+        (deferred reclamation), now for its next request."""
+        self.active, self.length, self.fresh, self.shared_groups = False, 0, False, 0
+        self.digests, self.root, self.tail = [], b"", []
+        self.origins = [Origin.REUSED] * len(self.pages)
+
+    def adopt(self, parent: Slot, shared_groups: int) -> None:
+        """A fork of `parent`: its tokens and cached units, the first `shared_groups` page groups
+        mapped behind both (neither writes them again)."""
+        parent.share(shared_groups)
+        self.active, self.length, self.shared_groups = True, parent.length, shared_groups
+        self.digests, self.root = list(parent.digests), parent.root
+
+    def share(self, groups: int) -> None:
+        """Its first `groups` page groups may be mapped elsewhere too: never written again."""
+        self.shared_groups = max(self.shared_groups, groups)
+
     def add_fence(self, fence: Fence | None) -> None:
         """Keeps `fence` in place of the stream's earlier one, which it covers (in any thread:
         one dict store, atomic)."""
