@@ -9,7 +9,7 @@ scheduler, sampler and HTTP layers never know which one they drive.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -17,6 +17,7 @@ from torch import Tensor
 from serving.config import EngineConfig
 from serving.model.loader import ModelShape
 from vattn import CacheStats, KVCache, KVCacheConfig, PageBudget
+from vattn.attention import AttentionKernel
 from vattn.errors import CapacityError
 from vattn.kernels import make_kernel
 from vattn.paged import PagedKVCache, PagedKVCacheConfig, make_paged_kernel
@@ -36,6 +37,23 @@ class IterationBatch(Protocol):
 
 
 class KVStore(Protocol):
+    """What the engine asks of KV memory. The engine's words are a request's; the cache's are
+    the paper's (vattn.KVCache), and CacheStore translates one to the other:
+
+    | KVStore (the engine's)       | KVCache / PagedKVCache (the cache's)       |
+    |------------------------------|--------------------------------------------|
+    | admit                        | can_admit, then alloc_reqid                |
+    | reuse_prefix                 | match_prefix                               |
+    | remember                     | cache_prefix                               |
+    | fork                         | fork_reqid                                 |
+    | grow                         | step                                       |
+    | free                         | free_reqid                                 |
+    | reset_prefix_cache           | evict_prefix_cache                         |
+    | plan, attend                 | the bound kernel's plan, forward           |
+    | stats, take_events, close, release_memory | the same names              |
+
+    A slot is the cache's reqid."""
+
     device: torch.device
 
     def admit(self, num_tokens: int, growing: Mapping[int, int] | None = None) -> int | None:
@@ -87,9 +105,9 @@ class KVStore(Protocol):
 
 class CacheStore:
     """A KV store over a cache with vattn's lifecycle (alloc_reqid, can_admit, step,
-    free_reqid) and a kernel bound to it (plan, forward). A slot is the cache's reqid."""
+    free_reqid) and a kernel bound to it (plan, forward): KVStore's table, call by call."""
 
-    def __init__(self, cache: Any, kernel: Any) -> None:
+    def __init__(self, cache: KVCache | PagedKVCache, kernel: AttentionKernel) -> None:
         self.cache = cache
         self.device: torch.device = cache.device
         self._kernel = kernel
@@ -136,6 +154,8 @@ class CacheStore:
 
 class VirtualKVStore(CacheStore):
     """vattn's KVCache: each slot's KV virtually contiguous, attention by an unmodified kernel."""
+
+    cache: KVCache
 
     def __init__(
         self, config: EngineConfig, shape: ModelShape, max_context: int, page_budget: PageBudget | None = None
@@ -193,6 +213,8 @@ class VirtualKVStore(CacheStore):
 class PagedKVStore(CacheStore):
     """The paged baseline: KV in blocks of `block_size` tokens found through a block table,
     attention by a paged kernel."""
+
+    cache: PagedKVCache
 
     def __init__(self, config: EngineConfig, shape: ModelShape, max_context: int) -> None:
         cache_config = PagedKVCacheConfig(
