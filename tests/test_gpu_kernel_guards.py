@@ -17,6 +17,7 @@ from vattn import ConfigurationError, KVCache, KVCacheConfig, UnavailableError, 
 from vattn.config import GPU_KERNEL_PAGE_TOKENS
 from vattn.gpu_kernels import (
     FlashInferPlans,
+    PagedShape,
     decode_uses_tensor_cores,
     page_table,
     require_half_precision,
@@ -193,6 +194,10 @@ class RecordingWrapper:
     def __init__(self, workspace: torch.Tensor, layout: str, **options: Any) -> None:
         assert not workspace.any(), "FlashInfer asks for a zeroed workspace"
         self.runs = 0
+        self.plans: list[tuple[Any, ...]] = []
+
+    def plan(self, *args: Any, **options: Any) -> None:
+        self.plans.append(args)
 
     def run(self, q: torch.Tensor, kv: Any) -> torch.Tensor:
         self.runs += 1
@@ -203,14 +208,17 @@ def test_a_batch_planned_before_the_latest_plan_is_refused() -> None:
     flashinfer = SimpleNamespace(
         BatchDecodeWithPagedKVCacheWrapper=RecordingWrapper, BatchPrefillWithPagedKVCacheWrapper=RecordingWrapper
     )
-    plans = FlashInferPlans(flashinfer, torch.device("cpu"), use_tensor_cores=False)
-    first = plans.planned(plans.decode)
+    shape = PagedShape(8, 8, 64, 16, torch.bfloat16, 0.125)
+    plans = FlashInferPlans(flashinfer, torch.device("cpu"), shape)
+    first = plans.plan((0, 1), [0, 1], [0], [1], decode=True)
     plans.run(first, torch.zeros(1), None)
-    second = plans.planned(plans.prefill)
+    second = plans.plan((0, 2), [0, 1], [0], [2], decode=False)
     with pytest.raises(RuntimeError, match="planned before the kernel's latest plan"):
         plans.run(first, torch.zeros(1), None)
     plans.run(second, torch.zeros(1), None)
     assert (plans.decode.runs, plans.prefill.runs) == (1, 1)
+    assert plans.decode.plans[0][3:] == (8, 8, 64, 16)  # after indptr, indices, last: the shape
+    assert len(plans.prefill.plans[0]) == 8  # the query rows' starts first
 
 
 BUILD_FAILURE = RuntimeError("Ninja build failed: nvcc not found")

@@ -14,7 +14,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,31 +26,34 @@ from vattn.memory import Lease
 from vattn.validate import exact_int, is_int
 
 
-@dataclass(frozen=True)
-class AttentionBatch:
-    """One iteration's requests, checked against the cache; built once, used by every layer.
+class BatchRequest(NamedTuple):
+    """One request of an iteration's batch."""
 
+    index: int
+    """Its place in the batch."""
+    rows: slice
+    """Its new tokens' query rows."""
+    reqid: int
+    new_tokens: int
+    length: int
+    """Its tokens after this iteration: the new ones are the last `new_tokens` of them."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batch:
+    """One iteration's requests, checked against the cache; built once, used by every layer.
     Request i owns query rows `[starts[i], starts[i + 1])` and cache positions
-    `[lengths[i] - new_tokens[i], lengths[i])` of row `reqids[i]` of the virtual tensors.
-    """
+    `[lengths[i] - new_tokens[i], lengths[i])` of its slot (the virtual cache's row `reqids[i]`,
+    or the paged cache's blocks)."""
 
     reqids: tuple[int, ...]
     new_tokens: tuple[int, ...]
     lengths: tuple[int, ...]
     starts: tuple[int, ...]
-    device_reqids: torch.Tensor
-    """int32 `[batch]`: `reqids` on the cache's device."""
-    cached_lengths: torch.Tensor
-    """int32 `[batch]`: tokens each request had before this iteration."""
-    token_reqids: torch.Tensor
-    """int64 `[tokens]`: reqid of each new token."""
     token_positions: torch.Tensor
     """int64 `[tokens]`: cache position of each new token."""
-    lease: Lease
-    """Holds the requests' slots while the batch lives (see `KVCache.pin`): drop the batch
-    when the iteration ends, so freed slots can be reused at once."""
     wrapper: Any = None
-    """A kernel's own per-iteration state (FlashInfer's planned wrapper)."""
+    """A kernel's own per-iteration state (FlashInfer's planned wrapper, the ragged kernel's vectors)."""
 
     @property
     def num_tokens(self) -> int:
@@ -60,10 +63,24 @@ class AttentionBatch:
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.new_tokens)
 
-    def requests(self) -> Iterator[tuple[slice, int, int, int]]:
-        """(query rows, reqid, new tokens, length) of each request."""
+    def requests(self) -> Iterator[BatchRequest]:
         for i, (reqid, new, length) in enumerate(zip(self.reqids, self.new_tokens, self.lengths, strict=True)):
-            yield slice(self.starts[i], self.starts[i + 1]), reqid, new, length
+            yield BatchRequest(i, slice(self.starts[i], self.starts[i + 1]), reqid, new, length)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionBatch(Batch):
+    """A batch on the virtual cache: request i's new tokens go to row `reqids[i]` of the virtual tensors."""
+
+    device_reqids: torch.Tensor
+    """int32 `[batch]`: `reqids` on the cache's device."""
+    cached_lengths: torch.Tensor
+    """int32 `[batch]`: tokens each request had before this iteration."""
+    token_reqids: torch.Tensor
+    """int64 `[tokens]`: reqid of each new token."""
+    lease: Lease
+    """Holds the requests' slots while the batch lives (see `KVCache.pin`): drop the batch
+    when the iteration ends, so freed slots can be reused at once."""
 
 
 def iteration_rows(

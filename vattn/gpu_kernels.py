@@ -17,7 +17,7 @@ read as a skip. The paged baseline's GPU kernels use the same guards.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -100,18 +100,53 @@ class PlannedWrapper:
     generation: int
 
 
+@dataclass(frozen=True)
+class PagedShape:
+    """What FlashInfer's plans fix for a kernel: its heads, head size, tokens per page, dtype and scale."""
+
+    query_heads: int
+    kv_heads: int
+    head_dim: int
+    page_tokens: int
+    dtype: torch.dtype
+    scale: float
+
+
 class FlashInferPlans:
     """One kernel's FlashInfer decode and prefill wrappers over a zeroed workspace (FlashInfer
-    asks for zeros before first use) and the count of plans made, so stale batches are caught."""
+    asks for zeros before first use), the one planner of both kernels that read pages through
+    them (the virtual tensors' and the paged cache's), and the count of plans made, so stale
+    batches are caught."""
 
-    def __init__(self, flashinfer: Any, device: torch.device, use_tensor_cores: bool) -> None:
+    def __init__(self, flashinfer: Any, device: torch.device, shape: PagedShape) -> None:
         workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=use_tensor_cores)
+        tensor_cores = decode_uses_tensor_cores(shape.query_heads, shape.kv_heads)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self.device, self.shape = device, shape
         self._generations = itertools.count(1)
         self.latest = 0
 
-    def planned(self, wrapper: Any) -> PlannedWrapper:
+    def plan(
+        self, starts: Sequence[int], indptr: list[int], indices: list[int], last: list[int], decode: bool
+    ) -> PlannedWrapper:
+        """Plans one iteration: query rows from `starts`, pages from FlashInfer's (indptr,
+        indices, last_page_len); a decode-only iteration on the decode wrapper."""
+
+        def on_device(values: Sequence[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+        shape = self.shape
+        heads = (shape.query_heads, shape.kv_heads, shape.head_dim, shape.page_tokens)
+        tables = (on_device(indptr), on_device(indices), on_device(last))
+        options = {"q_data_type": shape.dtype, "sm_scale": shape.scale}
+        if decode:
+            self.decode.plan(*tables, *heads, **options)
+            return self._planned(self.decode)
+        self.prefill.plan(on_device(starts), *tables, *heads, causal=True, **options)
+        return self._planned(self.prefill)
+
+    def _planned(self, wrapper: Any) -> PlannedWrapper:
         self.latest = next(self._generations)
         return PlannedWrapper(wrapper, self.latest)
 
@@ -196,8 +231,8 @@ class FlashAttnKernel(AttentionKernel):
             )
             return out.squeeze(1)
         out = torch.empty_like(q)
-        for i, (rows, *_) in enumerate(batch.requests()):
-            one = slice(i, i + 1)
+        for request in batch.requests():
+            rows, one = request.rows, slice(request.index, request.index + 1)
             out[rows] = self._attend(
                 q[rows].unsqueeze(0),
                 keys,
@@ -275,7 +310,8 @@ class FlashInferSingleKernel(AttentionKernel):
         self._store(kv, batch, k, v)
         keys, values = kv
         out = torch.empty_like(q)
-        for rows, reqid, _, length in batch.requests():
+        for request in batch.requests():
+            reqid, rows, length = request.reqid, request.rows, request.length
             out[rows] = self._attend(q[rows], keys[reqid, :length], values[reqid, :length])
         return out
 
@@ -297,9 +333,12 @@ class FlashInferPagedKernel(AttentionKernel):
         keys, _ = cache.layer_tensors(0)
         _, self._pages_per_slot = slot_pages(keys, GPU_KERNEL_PAGE_TOKENS)  # refuses a layout it cannot page
         del keys
-        tensor_cores = decode_uses_tensor_cores(num_query_heads, cache.config.num_kv_heads)
+        cfg = cache.config
+        shape = PagedShape(
+            num_query_heads, cfg.num_kv_heads, cfg.head_dim, GPU_KERNEL_PAGE_TOKENS, cfg.dtype, self.scale
+        )
         with flashinfer_available(self.name):
-            self._plans = FlashInferPlans(flashinfer, cache.device, tensor_cores)
+            self._plans = FlashInferPlans(flashinfer, cache.device, shape)
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -310,30 +349,12 @@ class FlashInferPagedKernel(AttentionKernel):
         for rows in (1, 2):
             q = torch.zeros(rows, self.num_query_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
             with flashinfer_available(self.name):
-                planned = self._plan((0, rows), [0, 1], [0], [2], decode=rows == 1)
+                planned = self._plans.plan((0, rows), [0, 1], [0], [2], decode=rows == 1)
             self._plans.run(planned, q, (page, page))
-
-    def _plan(
-        self, starts: tuple[int, ...], indptr: list[int], indices: list[int], last: list[int], decode: bool
-    ) -> PlannedWrapper:
-        cfg, device = self.cache.config, self.cache.device
-
-        def on_device(values: list[int] | tuple[int, ...]) -> Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
-        shape = (self.num_query_heads, cfg.num_kv_heads, cfg.head_dim, GPU_KERNEL_PAGE_TOKENS)
-        tables = (on_device(indptr), on_device(indices), on_device(last))
-        if decode:
-            self._plans.decode.plan(*tables, *shape, q_data_type=cfg.dtype, sm_scale=self.scale)
-            return self._plans.planned(self._plans.decode)
-        self._plans.prefill.plan(
-            on_device(starts), *tables, *shape, causal=True, q_data_type=cfg.dtype, sm_scale=self.scale
-        )
-        return self._plans.planned(self._plans.prefill)
 
     def _planned(self, batch: AttentionBatch) -> AttentionBatch:
         tables = page_table(batch.reqids, batch.lengths, self._pages_per_slot, GPU_KERNEL_PAGE_TOKENS)
-        return replace(batch, wrapper=self._plan(batch.starts, *tables, decode=batch.is_decode))
+        return replace(batch, wrapper=self._plans.plan(batch.starts, *tables, decode=batch.is_decode))
 
     def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self._store(kv, batch, k, v)

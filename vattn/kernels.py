@@ -33,7 +33,8 @@ class SdpaKernel(AttentionKernel):
         self._store(kv, batch, k, v)
         keys, values = kv
         out = torch.empty_like(q)
-        for rows, reqid, _, length in batch.requests():
+        for request in batch.requests():
+            reqid, rows, length = request.reqid, request.rows, request.length
             out[rows] = sdpa_request(q[rows], keys[reqid, :length], values[reqid, :length], length, self.scale)
         return out
 

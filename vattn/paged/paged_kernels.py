@@ -24,18 +24,17 @@ attention output. What differs is what a kernel must do to find a request's KV:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from vattn.attention import AttentionKernel, iteration_rows, sdpa_request
+from vattn.attention import AttentionKernel, Batch, iteration_rows, sdpa_request
 from vattn.errors import UnavailableError
 from vattn.gpu_kernels import (
     FlashInferPlans,
-    decode_uses_tensor_cores,
+    PagedShape,
     flashinfer_available,
     import_flash_attn,
     import_flashinfer,
@@ -47,38 +46,16 @@ from vattn.paged.paged_cache import PagedKVCache
 from vattn.torch_flash_attention import PAGED_ARGUMENTS, TorchFlashAttention
 
 
-@dataclass(frozen=True)
-class PagedBatch:
-    """One iteration's requests on the paged cache; request i owns query rows
-    `[starts[i], starts[i + 1])` and positions `[lengths[i] - new_tokens[i], lengths[i])`."""
+@dataclass(frozen=True, kw_only=True)
+class PagedBatch(Batch):
+    """A batch on the paged cache: request i's KV in the blocks of its row of the block table."""
 
-    reqids: tuple[int, ...]
-    new_tokens: tuple[int, ...]
-    lengths: tuple[int, ...]
-    starts: tuple[int, ...]
-    token_positions: Tensor
-    """int64 `[tokens]`: position of each new token in its request."""
     token_rows: Tensor
     """int64 `[tokens]`: row of each new token in a layer's blocks flattened to `[blocks * block_size]`."""
     block_table: Tensor
     """int32 `[batch, max_blocks]` on the cache's device: each request's blocks in order."""
     host_block_table: Tensor
     """The same on the host."""
-    wrapper: Any = None
-    """A kernel's own per-iteration state."""
-
-    @property
-    def num_tokens(self) -> int:
-        return self.starts[-1]
-
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.new_tokens)
-
-    def requests(self) -> Iterator[tuple[int, slice, int, int]]:
-        """(index, query rows, new tokens, length) of each request."""
-        for i, (new, length) in enumerate(zip(self.new_tokens, self.lengths, strict=True)):
-            yield i, slice(self.starts[i], self.starts[i + 1]), new, length
 
 
 class PagedKernel(AttentionKernel):
@@ -136,8 +113,8 @@ class PagedGatherKernel(PagedKernel):
     def _forward(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self._store(blocks, batch, k, v)
         out = torch.empty_like(q)
-        for i, rows, _, _ in batch.requests():
-            out[rows] = self._gathered_sdpa(blocks, batch, i, q[rows])
+        for request in batch.requests():
+            out[request.rows] = self._gathered_sdpa(blocks, batch, request.index, q[request.rows])
         return out
 
 
@@ -155,9 +132,9 @@ class PagedBlockwiseKernel(PagedKernel):
         if decodes:
             rows = torch.tensor([batch.starts[i] for i in decodes], device=q.device)
             out[rows] = self._blockwise(blocks, batch, decodes, q[rows])
-        for i, rows_of_i, new, _ in batch.requests():
-            if new > 1:
-                out[rows_of_i] = self._gathered_sdpa(blocks, batch, i, q[rows_of_i])
+        for request in batch.requests():
+            if request.new_tokens > 1:
+                out[request.rows] = self._gathered_sdpa(blocks, batch, request.index, q[request.rows])
         return out
 
     def _blockwise(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, requests: list[int], q: Tensor) -> Tensor:
@@ -265,8 +242,8 @@ class PagedFlashAttnKernel(PagedKernel):
         if batch.is_decode:
             return self._call(blocks, q, k, v, cached, batch.block_table).squeeze(1)
         out = torch.empty_like(q)
-        for i, rows, _, _ in batch.requests():
-            one = slice(i, i + 1)
+        for request in batch.requests():
+            rows, one = request.rows, slice(request.index, request.index + 1)
             out[rows] = self._call(
                 blocks, q[rows][None], k[rows][None], v[rows][None], cached[one], batch.block_table[one]
             )[0]
@@ -292,9 +269,10 @@ class PagedFlashInferKernel(PagedKernel):
         require_gpu(cache.device, self.name)
         require_half_precision(cache.config.dtype, self.name)
         flashinfer = import_flashinfer(self.name)
-        tensor_cores = decode_uses_tensor_cores(num_query_heads, cache.config.num_kv_heads)
+        cfg = cache.config
+        shape = PagedShape(num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size, cfg.dtype, self.scale)
         with flashinfer_available(self.name):
-            self._plans = FlashInferPlans(flashinfer, cache.device, tensor_cores)
+            self._plans = FlashInferPlans(flashinfer, cache.device, shape)
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -305,26 +283,8 @@ class PagedFlashInferKernel(PagedKernel):
         for rows in (1, 2):
             q = torch.zeros(rows, self.num_query_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
             with flashinfer_available(self.name):
-                planned = self._plan((0, rows), [0, 1], [0], [2], decode=rows == 1)
+                planned = self._plans.plan((0, rows), [0, 1], [0], [2], decode=rows == 1)
             self._plans.run(planned, q, blocks)  # type: ignore[arg-type]
-
-    def _plan(
-        self, starts: tuple[int, ...], indptr: list[int], indices: list[int], last: list[int], decode: bool
-    ) -> Any:
-        cfg, device = self.cache.config, self.cache.device
-
-        def on_device(values: list[int] | tuple[int, ...]) -> Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
-        shape = (self.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
-        tables = (on_device(indptr), on_device(indices), on_device(last))
-        if decode:
-            self._plans.decode.plan(*tables, *shape, q_data_type=cfg.dtype, sm_scale=self.scale)
-            return self._plans.planned(self._plans.decode)
-        self._plans.prefill.plan(
-            on_device(starts), *tables, *shape, causal=True, q_data_type=cfg.dtype, sm_scale=self.scale
-        )
-        return self._plans.planned(self._plans.prefill)
 
     def _planned(self, batch: PagedBatch) -> PagedBatch:
         cfg = self.cache.config
@@ -333,7 +293,7 @@ class PagedFlashInferKernel(PagedKernel):
         indices = [block for i, count in enumerate(counts) for block in table[i, :count].tolist()]
         indptr = [0, *itertools.accumulate(counts)]
         last = [n - (c - 1) * cfg.block_size for n, c in zip(batch.lengths, counts, strict=True)]
-        return replace(batch, wrapper=self._plan(batch.starts, indptr, indices, last, decode=batch.is_decode))
+        return replace(batch, wrapper=self._plans.plan(batch.starts, indptr, indices, last, decode=batch.is_decode))
 
     def _forward(self, blocks: tuple[Tensor, Tensor], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self._store(blocks, batch, k, v)
