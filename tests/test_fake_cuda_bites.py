@@ -1,5 +1,6 @@
 """The fake CUDA driver catches real mistakes: each deliberately broken backend
-(tests/fake_cuda/breakages.py) makes the tests that run on the fake fail."""
+(tests/fake_cuda/breakages.py), on the Python call path and on the C library's, makes the
+tests that run on the fake fail."""
 
 from __future__ import annotations
 
@@ -26,6 +27,22 @@ CASES = {
     "unfenced-unmap": (
         "tests/test_cuda_fake.py",
         "waits_for_the_queued_work and ctypes-release_idle",
+        "while queued GPU work reads it",
+    ),
+    # the same mistakes in the C library's calls (native/vattn_native.c)
+    "c-misaligned-map": (
+        "tests/test_kv_cache.py",
+        "test_data_survives and native-fakecuda",
+        "CUDA_ERROR_INVALID_VALUE",
+    ),
+    "c-no-set-access": (
+        "tests/test_kv_cache.py",
+        "test_data_survives and native-fakecuda",
+        "is not mapped device memory",
+    ),
+    "c-unfenced-unmap": (
+        "tests/test_cuda_fake.py",
+        "waits_for_the_queued_work and native-release_idle",
         "while queued GPU work reads it",
     ),
 }

@@ -1,17 +1,23 @@
 """Deliberately broken CUDA backends, to show the fake driver catches each mistake.
 
 A pytest plugin: `VATTN_BREAK=<name> pytest -p tests.fake_cuda.breakages ...` runs the tests
-with the backend broken as named; tests/test_fake_cuda_bites.py expects them to fail.
+with the backend broken as named; tests/test_fake_cuda_bites.py expects them to fail. The
+Python call path is broken by replacing a method; the C path (native/vattn_native.c) by
+building a copy of the C library from its source with one line changed, loaded in its place.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from vattn.backends import native
 from vattn.backends.base import Fence, MapError
 from vattn.backends.cuda import CudaBackend, CudaError
 from vattn.backends.cuda_calls import DriverCudaCalls
@@ -82,6 +88,32 @@ BREAKAGES: dict[str, tuple[type, str, Callable[..., Any]]] = {
 }
 
 
+C_BREAKAGES: dict[str, tuple[str, str]] = {
+    "c-misaligned-map": (
+        "api->mem_map(addrs[i], page_size, 0, handles[i], 0)",
+        "api->mem_map(addrs[i] + 2048, page_size, 0, handles[i], 0)",
+    ),
+    "c-no-set-access": ("(*err = api->mem_set_access(addrs[i], page_size, &access, 1)) != 0", "0"),
+    "c-unfenced-unmap": ("(*err = api->event_synchronize((void *)(uintptr_t)events[i])) != 0", "0"),
+}
+"""C-path breakages: (a line's text in native/vattn_native.c, what it becomes)."""
+
+
+def broken_c_library(old: str, new: str) -> Path:
+    """The C library built from its source with `old` replaced by `new` (in a folder of its own)."""
+    source = (Path(__file__).resolve().parents[2] / "native" / "vattn_native.c").read_text()
+    assert source.count(old) == 1, f"the C source no longer has {old!r} once"
+    folder = Path(tempfile.mkdtemp(prefix="vattn-broken-"))
+    (folder / "broken.c").write_text(source.replace(old, new))
+    library = folder / "libvattn_native.so"
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", library, folder / "broken.c", "-ldl"], check=True)
+    return library
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    owner, name, broken = BREAKAGES[os.environ["VATTN_BREAK"]]
+    breakage = os.environ["VATTN_BREAK"]
+    if breakage in C_BREAKAGES:
+        native.NATIVE_LIBRARY = broken_c_library(*C_BREAKAGES[breakage])
+        return
+    owner, name, broken = BREAKAGES[breakage]
     setattr(owner, name, broken)
