@@ -25,7 +25,7 @@ from serving.kv_store import IterationBatch, KVStore, make_kv_store
 from serving.model import tensor_parallel
 from serving.model.loader import ModelShape, load_model, model_shape, return_freed_memory
 from serving.model.runner import ModelRunner, Reduce
-from serving.model.tensor_parallel import Group
+from serving.model.tensor_parallel import Ranks
 from vattn import CacheStats, PageBudget
 from vattn.prefix_cache import CacheEvent
 
@@ -205,21 +205,21 @@ class TensorParallelExecutor(ModelExecutor):
         shape: ModelShape,
         kv: MirroredKVStore,
         quantization: str,
-        group: Group,
+        ranks: Ranks,
         followers: list[subprocess.Popen[bytes]],
     ) -> None:
-        super().__init__(model, shape, kv, quantization, reduce=group.all_reduce)
-        self.group, self.mirrored, self.followers = group, kv, followers
+        super().__init__(model, shape, kv, quantization, reduce=ranks.all_reduce)
+        self.ranks, self.mirrored, self.followers = ranks, kv, followers
 
     def forward(self, ids: list[int], slots: Sequence[int], new_tokens: Sequence[int]) -> tuple[Tensor, IterationBatch]:
-        self.group.broadcast(("iterate", self.mirrored.take_log(), ids, list(slots), list(new_tokens)))
+        self.ranks.broadcast(("iterate", self.mirrored.take_log(), ids, list(slots), list(new_tokens)))
         return super().forward(ids, slots, new_tokens)
 
     def close(self) -> None:
         """Stops the followers; the process group and this rank's cache go even if a follower
         is gone already (a broken broadcast is raised after)."""
         try:
-            self.group.broadcast(("stop", self.mirrored.take_log(), [], [], []))
+            self.ranks.broadcast(("stop", self.mirrored.take_log(), [], [], []))
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -262,10 +262,10 @@ def _rank_zero(config: EngineConfig, model: Any, shape: ModelShape, max_context:
         config = replace(config, tp_init_method=f"tcp://127.0.0.1:{tensor_parallel.free_port()}")
     followers = tensor_parallel.start_followers(config, "serving.executor") if local else []
     try:
-        group = tensor_parallel.join(config, 0)
-        shard = tensor_parallel.shard_model(model, shape, 0, group.size)
+        ranks = tensor_parallel.join(config, 0)
+        shard = tensor_parallel.shard_model(model, shape, 0, ranks.size)
         kv = MirroredKVStore(make_kv_store(config, shard, max_context))
-        return TensorParallelExecutor(model, shard, kv, config.quantization, group, followers)
+        return TensorParallelExecutor(model, shard, kv, config.quantization, ranks, followers)
     except BaseException:
         for follower in followers:
             follower.kill()
@@ -274,17 +274,17 @@ def _rank_zero(config: EngineConfig, model: Any, shape: ModelShape, max_context:
 
 def follow(config: EngineConfig, rank: int) -> None:
     """A follower rank: its shard of the model and its own cache, driven by rank 0 until it stops."""
-    group = tensor_parallel.join(config, rank)
+    ranks = tensor_parallel.join(config, rank)
     model, _ = load_model(str(config.model), config.torch_dtype)
     shape = model_shape(model)
-    shard = tensor_parallel.shard_model(model, shape, rank, group.size)
+    shard = tensor_parallel.shard_model(model, shape, rank, ranks.size)
     kv = make_kv_store(config, shard, min(config.max_context, shape.max_position))
-    executor = ModelExecutor(model, shard, kv, config.quantization, reduce=group.all_reduce)
+    executor = ModelExecutor(model, shard, kv, config.quantization, reduce=ranks.all_reduce)
     del model
     return_freed_memory()
     try:
         while True:
-            command, log, ids, slots, new_tokens = group.broadcast(None)
+            command, log, ids, slots, new_tokens = ranks.broadcast(None)
             replay(kv, log)
             if command == "stop":
                 return

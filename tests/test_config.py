@@ -15,12 +15,12 @@ SHAPE: dict[str, Any] = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "m
 def test_any_context_rounds_the_slot_to_whole_pages() -> None:
     config = KVCacheConfig(**SHAPE, dtype="float16", page_size=64 * 1024)
     assert config.bytes_per_token == 3 * 64 * 2
-    assert config.slot_pages == 6  # 1000 * 384 B = 375 KiB -> 6 pages of 64 KiB, not a power of two
+    assert config.max_slot_groups == 6  # 1000 * 384 B = 375 KiB -> 6 pages of 64 KiB, not a power of two
     assert config.slot_stride == 6 * 64 * 1024
     assert config.pages_for(0) == 0
     assert config.pages_for(170) == 1 and config.pages_for(171) == 2
     assert config.tokens_in(1) == 170
-    assert config.tokens_in(config.slot_pages) == 1000
+    assert config.tokens_in(config.max_slot_groups) == 1000
 
 
 def test_mega_layout_has_two_buffers_and_grows_by_whole_tokens_of_all_layers() -> None:
@@ -36,7 +36,7 @@ def test_mega_layout_has_two_buffers_and_grows_by_whole_tokens_of_all_layers() -
 def test_budget_limits_the_pool_and_defaults_to_full_capacity() -> None:
     full = KVCacheConfig(**SHAPE, page_size=64 * 1024)
     assert full.dtype is torch.float16
-    assert full.pool_pages == 4 * full.slot_pages * 60
+    assert full.pool_pages == 4 * full.max_slot_groups * 60
     budget = KVCacheConfig(**SHAPE, page_size=64 * 1024, memory_budget=100 * 64 * 1024)
     assert budget.pool_pages == 100
 

@@ -14,14 +14,14 @@ from tests.fake_cuda import FakeDriver, installed
 from tests.fake_gpu import FakeCudaMode, device_guard, fake_cuda_memory
 from tests.process_memory import release_memory
 from vattn import ConfigurationError, KVCache, KVCacheConfig, UnavailableError, gpu_kernels
-from vattn.config import GPU_KERNEL_PAGE_TOKENS
+from vattn.config import GPU_KERNEL_BLOCK_TOKENS
 from vattn.gpu_kernels import (
     FlashInferPlans,
     PagedShape,
+    block_table,
     decode_uses_tensor_cores,
-    page_table,
     require_half_precision,
-    slot_pages,
+    token_blocks,
 )
 from vattn.kernels import make_kernel
 from vattn.sizes import KiB, MiB
@@ -36,7 +36,7 @@ PAPER_MODEL = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}
 
 
 @pytest.mark.parametrize("layout", ["per_layer", "mega"])
-def test_slot_pages_are_views_of_each_slots_tokens(make_cache: Callable[..., KVCache], layout: str) -> None:
+def test_token_blocks_are_views_of_each_slots_tokens(make_cache: Callable[..., KVCache], layout: str) -> None:
     cache = make_cache(layout=layout, max_context=256)
     reqids = [cache.alloc_reqid() for _ in range(3)]
     cache.step(dict.fromkeys(reqids, 100))
@@ -44,9 +44,9 @@ def test_slot_pages_are_views_of_each_slots_tokens(make_cache: Callable[..., KVC
         keys, _ = cache.kv(1, reqid)
         keys.copy_(torch.arange(keys.numel(), dtype=torch.float32).reshape(keys.shape) + 1000 * reqid)
     whole, _ = cache.layer_tensors(1)
-    pages, per_slot = slot_pages(whole, 16)
+    pages, per_slot = token_blocks(whole, 16)
     assert pages.data_ptr() == whole.data_ptr() and per_slot >= 256 // 16
-    indptr, indices, last = page_table(tuple(reqids), (100, 100, 100), per_slot, 16)
+    indptr, indices, last = block_table(tuple(reqids), (100, 100, 100), per_slot, 16)
     assert indptr == [0, 7, 14, 21] and last == [4, 4, 4]
     tokens = torch.arange(100)
     for i, reqid in enumerate(reqids):  # token by token: past a request's length may be unmapped
@@ -70,15 +70,15 @@ def test_slot_strides_are_whole_gpu_kernel_pages_and_whole_pages(
         config = KVCacheConfig(
             **shape, max_slots=2, max_context=max_context, dtype=dtype, layout=layout, page_size=page_size
         )
-        kernel_page = GPU_KERNEL_PAGE_TOKENS * config.bytes_per_token
+        kernel_page = GPU_KERNEL_BLOCK_TOKENS * config.bytes_per_token
         unit = math.lcm(page_size, kernel_page)
         assert config.slot_stride % unit == 0
-        assert config.slot_pages * page_size <= config.slot_stride < config.slot_pages * page_size + unit
+        assert config.max_slot_groups * page_size <= config.slot_stride < config.max_slot_groups * page_size + unit
         slot, token, *_ = config.tensor_strides  # in elements: a token row is a whole number of them
         assert token * config.element_size == config.bytes_per_token
-        assert slot % (GPU_KERNEL_PAGE_TOKENS * token) == 0
+        assert slot % (GPU_KERNEL_BLOCK_TOKENS * token) == 0
         assert config.reservation_bytes == config.max_slots * config.slot_stride
-        assert config.page_offset(1, config.slot_pages - 1) + page_size <= 2 * config.slot_stride  # inside slot 1
+        assert config.page_offset(1, config.max_slot_groups - 1) + page_size <= 2 * config.slot_stride  # inside slot 1
 
 
 @pytest.fixture(params=["host", "fakecuda"])
@@ -146,29 +146,29 @@ def test_flashinfer_pages_every_layer_of_a_cache_with_2mib_pages(
     for layer in range(cfg.num_layers):
         for kv, tensor in enumerate(cache.layer_tensors(layer)):
             try:
-                pages, per_slot = slot_pages(tensor, GPU_KERNEL_PAGE_TOKENS)
+                pages, per_slot = token_blocks(tensor, GPU_KERNEL_BLOCK_TOKENS)
             except ValueError as refusal:  # no traceback: it would print the tensor, unmapped pages and all
                 pytest.fail(f"layer {layer}'s {'KV'[kv]}: {refusal}", pytrace=False)
-            assert per_slot * GPU_KERNEL_PAGE_TOKENS * cfg.bytes_per_token == cfg.slot_stride
-            indptr, indices, last = page_table(reqids, lengths, per_slot, GPU_KERNEL_PAGE_TOKENS)
+            assert per_slot * GPU_KERNEL_BLOCK_TOKENS * cfg.bytes_per_token == cfg.slot_stride
+            indptr, indices, last = block_table(reqids, lengths, per_slot, GPU_KERNEL_BLOCK_TOKENS)
             for i, (reqid, length) in enumerate(zip(reqids, lengths, strict=True)):
                 mine = torch.tensor(indices[indptr[i] : indptr[i + 1]])
                 tokens = torch.arange(length)
-                read = pages[mine[tokens // GPU_KERNEL_PAGE_TOKENS], tokens % GPU_KERNEL_PAGE_TOKENS]
+                read = pages[mine[tokens // GPU_KERNEL_BLOCK_TOKENS], tokens % GPU_KERNEL_BLOCK_TOKENS]
                 assert torch.equal(read, token_rows(cache, layer, kv, reqid, length)), (layer, kv, reqid)
-                assert last[i] == length - (len(mine) - 1) * GPU_KERNEL_PAGE_TOKENS
+                assert last[i] == length - (len(mine) - 1) * GPU_KERNEL_BLOCK_TOKENS
 
 
-def test_slot_pages_refuse_what_flashinfer_cannot_address() -> None:
+def test_token_blocks_refuse_what_flashinfer_cannot_address() -> None:
     odd = torch.empty_strided((2, 40, 2, 16), (40 * 32, 32, 16, 1), device="meta")
     with pytest.raises(ValueError, match="multiple of 16"):
-        slot_pages(odd, 16)
+        token_blocks(odd, 16)
     strided = torch.empty_strided((2, 32, 2, 16), (40 * 32, 32, 16, 1), device="meta")
     with pytest.raises(ValueError, match=r"not a whole number of 16-token pages .* not laid out by one"):
-        slot_pages(strided, 16)
+        token_blocks(strided, 16)
     huge = torch.empty_strided((2, 32, 2, 16), (2**40, 2**28, 16, 1), device="meta")
     with pytest.raises(ValueError, match="page stride is 32-bit"):
-        slot_pages(huge, 16)
+        token_blocks(huge, 16)
 
 
 def test_decode_groups_outside_the_cuda_core_kernels_take_tensor_cores() -> None:

@@ -15,7 +15,7 @@ from serving.config import QUANTIZATIONS
 from serving.model.cpu_features import bf16_available, cpu_kernels, int8_activations_fast, vnni_available
 from serving.model.linear import DenseLinear, GroupedLinear, fused, make_linear, paired_kernels
 from serving.model.runner import Float32Head, lm_head
-from serving.model.weights import GROUP, GroupedWeight, PairedWeight
+from serving.model.weights import INPUTS_PER_SCALE, GroupedWeight, PairedWeight
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
 
@@ -110,8 +110,8 @@ def _four_bit(out: int, inputs: int, with_mins: bool) -> GroupedWeight:
     """Random 4-bit weights in the GGUF layout (Q4_1 with mins, else Q4_0's min = -8 * scale)."""
     generator = torch.Generator().manual_seed(out)
     data = torch.randint(0, 256, (out, inputs // 2), dtype=torch.uint8, generator=generator)
-    scales = torch.rand(out, inputs // GROUP, generator=generator) / 10
-    mins = torch.randn(out, inputs // GROUP, generator=generator) / 10 if with_mins else -8 * scales
+    scales = torch.rand(out, inputs // INPUTS_PER_SCALE, generator=generator) / 10
+    mins = torch.randn(out, inputs // INPUTS_PER_SCALE, generator=generator) / 10 if with_mins else -8 * scales
     return GroupedWeight(4, data, scales, mins)
 
 
@@ -122,10 +122,10 @@ def test_four_bit_weights_hold_low_nibbles_first_then_high_ones() -> None:
 
 
 def test_weight_only_int8_keeps_each_weight_within_half_its_groups_step() -> None:
-    weight = torch.randn(24, 4 * GROUP)
-    weight[3, :GROUP] *= 100  # an outlier group keeps its coarse step to itself
+    weight = torch.randn(24, 4 * INPUTS_PER_SCALE)
+    weight[3, :INPUTS_PER_SCALE] *= 100  # an outlier group keeps its coarse step to itself
     quantized = GroupedLinear.quantized_int8(weight, None).weight
-    step = quantized.scales.repeat_interleave(GROUP, dim=1)
+    step = quantized.scales.repeat_interleave(INPUTS_PER_SCALE, dim=1)
     assert ((quantized.dequantize() - weight).abs() <= step / 2 + 1e-6).all()
     assert quantized.scales[3, 0] > 50 * quantized.scales[3, 1]
 
@@ -139,11 +139,11 @@ def test_grouped_weights_compute_the_dequantized_product_on_every_path(kernels: 
     torch.manual_seed(rows)
     bias = torch.randn(300)
     if bits == "8":
-        linear = GroupedLinear.quantized_int8(torch.randn(300, 6 * GROUP), bias, kernels, bf16_prompts=False)
+        linear = GroupedLinear.quantized_int8(torch.randn(300, 6 * INPUTS_PER_SCALE), bias, kernels, bf16_prompts=False)
     else:
-        weight = _four_bit(300, 6 * GROUP, with_mins=bits == "4 with mins")
+        weight = _four_bit(300, 6 * INPUTS_PER_SCALE, with_mins=bits == "4 with mins")
         linear = GroupedLinear(weight, bias, kernels, bf16_prompts=False)
-    x = torch.randn(rows, 6 * GROUP)
+    x = torch.randn(rows, 6 * INPUTS_PER_SCALE)
     expected = x.double() @ linear.weight.dequantize().double().T + bias.double()
     got = linear(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 300)
@@ -154,7 +154,7 @@ def test_grouped_weights_compute_the_dequantized_product_on_every_path(kernels: 
 def test_paired_weights_are_the_grouped_bytes_reordered(bits: str) -> None:
     """PairedWeight holds the same values (and a tied embedding reads its rows there)."""
     torch.manual_seed(1)
-    outputs, inputs = 48, 3 * GROUP
+    outputs, inputs = 48, 3 * INPUTS_PER_SCALE
     grouped = GroupedWeight.quantize_int8(torch.randn(outputs, inputs)) if bits == "8" else _four_bit(48, inputs, True)
     paired = PairedWeight.of(grouped)
     assert paired.data.numel() == grouped.data.numel() and paired.scales.shape == (3, 3, 16)
@@ -168,7 +168,7 @@ def test_paired_weights_are_the_grouped_bytes_reordered(bits: str) -> None:
 def test_int8_quads_are_the_grouped_weights_plus_128() -> None:
     """For int8 activations the 8-bit weight steps by quads of inputs, stored q + 128."""
     torch.manual_seed(1)
-    grouped = GroupedWeight.quantize_int8(torch.randn(48, 3 * GROUP))
+    grouped = GroupedWeight.quantize_int8(torch.randn(48, 3 * INPUTS_PER_SCALE))
     quads = PairedWeight.of(grouped, activation_bits=8)
     assert quads.step == 4 and quads.data.dtype == torch.uint8 and quads.data.numel() == grouped.data.numel()
     first = grouped.data[:16, :4].view(torch.int8).to(torch.int16) + 128  # tile 0, group 0, quad 0
@@ -177,10 +177,10 @@ def test_int8_quads_are_the_grouped_weights_plus_128() -> None:
     index = torch.tensor([47, 0, 17, 17, 30])
     assert torch.equal(quads.rows(index).data, grouped.rows(index).data)
     with pytest.raises(ValueError, match="8-bit weights only"):
-        PairedWeight.of(_four_bit(48, 3 * GROUP, True), activation_bits=8)
+        PairedWeight.of(_four_bit(48, 3 * INPUTS_PER_SCALE, True), activation_bits=8)
     if vnni_available():
         with pytest.raises(UnavailableError, match="8-bit weights and AVX-512 VNNI"):
-            GroupedLinear(_four_bit(48, 3 * GROUP, True), None, "int8_vnni")
+            GroupedLinear(_four_bit(48, 3 * INPUTS_PER_SCALE, True), None, "int8_vnni")
 
 
 @NEEDS_INT8_VNNI
@@ -190,14 +190,14 @@ def test_int8_activations_compute_llamacpp_q8_0_arithmetic(rows: int) -> None:
     ties to even) and summed against the int8 weights exactly in int32: the output is the exact
     product of those quantized activations and weights, up to float32's scaling and sums."""
     torch.manual_seed(rows)
-    outputs, inputs = 19 * 16, 6 * GROUP
+    outputs, inputs = 19 * 16, 6 * INPUTS_PER_SCALE
     bias = torch.randn(outputs)
     weight = torch.randn(outputs, inputs)
     linear = GroupedLinear.quantized_int8(weight, bias, activation_bits=8)
     assert linear.kernels == "int8_vnni" and linear.weight.activation_bits == 8
     x = torch.randn(rows, inputs) * torch.logspace(-3, 1, inputs)
-    x[0, :GROUP] = 0  # an all-zero group
-    groups = x.reshape(rows, -1, GROUP)
+    x[0, :INPUTS_PER_SCALE] = 0  # an all-zero group
+    groups = x.reshape(rows, -1, INPUTS_PER_SCALE)
     largest = groups.abs().amax(dim=2, keepdim=True)
     q = torch.round(groups * torch.where(largest > 0, 127 / largest, 0))
     quantized = (q.double() * (largest / 127).double()).reshape(rows, inputs)
@@ -219,7 +219,7 @@ def test_paired_kernel_errs_by_at_most_int16_rounding_of_each_group(kernels: str
     product (plus float32 sums), on 19 tiles of 16 outputs (pairs of tiles and an odd one),
     for row counts that fill and leave blocks of either body (6 rows on VNNI, 3 on AVX2)."""
     torch.manual_seed(rows)
-    outputs, inputs = 19 * 16, 6 * GROUP
+    outputs, inputs = 19 * 16, 6 * INPUTS_PER_SCALE
     bias = torch.randn(outputs)
     if bits == "8":
         linear = GroupedLinear.quantized_int8(torch.randn(outputs, inputs), bias, kernels)
@@ -228,10 +228,13 @@ def test_paired_kernel_errs_by_at_most_int16_rounding_of_each_group(kernels: str
         linear = GroupedLinear(weight, bias, kernels)
     assert isinstance(linear.weight, PairedWeight)
     x = torch.randn(rows, inputs) * torch.logspace(-3, 1, inputs)  # groups of very different ranges
-    x[0, :GROUP] = 0  # an all-zero group
+    x[0, :INPUTS_PER_SCALE] = 0  # an all-zero group
     w = linear.weight.dequantize().double()
     expected = x.double() @ w.T + bias.double()
-    step = x.abs().reshape(rows, -1, GROUP).amax(dim=2).double().repeat_interleave(GROUP, dim=1) / 32767
+    step = (
+        x.abs().reshape(rows, -1, INPUTS_PER_SCALE).amax(dim=2).double().repeat_interleave(INPUTS_PER_SCALE, dim=1)
+        / 32767
+    )
     bound = step / 2 @ w.abs().T + 1e-6 * (x.double().abs() @ w.abs().T + 1)
     got = linear(x)
     assert got.dtype == torch.float32 and got.shape == (rows, outputs)
@@ -245,7 +248,7 @@ def test_paired_bodies_compute_the_same_bits(bits: str) -> None:
     """The AVX2 and VNNI bodies quantize alike and sum each group exactly in int32, then scale in
     the same order: a model's answers (and the quality measured on VNNI) are the same on both."""
     torch.manual_seed(2)
-    outputs, inputs = 7 * 16, 12 * GROUP
+    outputs, inputs = 7 * 16, 12 * INPUTS_PER_SCALE
     weight = GroupedWeight.quantize_int8(torch.randn(outputs, inputs)) if bits == "8" else _four_bit(112, inputs, True)
     x, bias = torch.randn(37, inputs), torch.randn(outputs)
     vnni, avx2 = (GroupedLinear(weight, bias, kernels) for kernels in ("int16_vnni", "int16_avx2"))
@@ -254,16 +257,18 @@ def test_paired_bodies_compute_the_same_bits(bits: str) -> None:
 
 @NEEDS_PAIRED
 def test_paired_kernel_refuses_outputs_that_do_not_fill_tiles() -> None:
-    assert GroupedLinear.quantized_int8(torch.randn(304, GROUP), None).kernels == paired_kernels()
+    assert GroupedLinear.quantized_int8(torch.randn(304, INPUTS_PER_SCALE), None).kernels == paired_kernels()
     with pytest.raises(UnavailableError, match="tiles of 16"):
-        GroupedLinear.quantized_int8(torch.randn(300, GROUP), None, paired_kernels())
-    assert GroupedLinear.quantized_int8(torch.randn(300, GROUP), None).kernels == cpu_kernels()  # the one that runs
+        GroupedLinear.quantized_int8(torch.randn(300, INPUTS_PER_SCALE), None, paired_kernels())
+    assert (
+        GroupedLinear.quantized_int8(torch.randn(300, INPUTS_PER_SCALE), None).kernels == cpu_kernels()
+    )  # the one that runs
 
 
 @pytest.mark.skipif(not bf16_available(), reason="bfloat16 prompts need AVX512_BF16")
 def test_prompts_may_multiply_in_bfloat16_and_decoding_rows_stay_float32() -> None:
     torch.manual_seed(0)
-    weight, x = torch.randn(200, 4 * GROUP), torch.randn(100, 4 * GROUP)
+    weight, x = torch.randn(200, 4 * INPUTS_PER_SCALE), torch.randn(100, 4 * INPUTS_PER_SCALE)
     exact = GroupedLinear.quantized_int8(weight, None, bf16_prompts=False)
     fast = GroupedLinear.quantized_int8(weight, None, bf16_prompts=True)
     assert torch.equal(fast(x[:64]), exact(x[:64]))  # up to 64 rows: the float32 register kernel
@@ -273,9 +278,9 @@ def test_prompts_may_multiply_in_bfloat16_and_decoding_rows_stay_float32() -> No
 
 
 def test_weight_only_int8_handles_empty_batches_and_refuses_what_it_cannot_run() -> None:
-    linear = GroupedLinear.quantized_int8(torch.randn(16, GROUP), torch.ones(16))
-    assert linear(torch.zeros(0, GROUP)).shape == (0, 16)
-    assert torch.equal(linear(torch.zeros(2, GROUP)), torch.ones(2, 16))
+    linear = GroupedLinear.quantized_int8(torch.randn(16, INPUTS_PER_SCALE), torch.ones(16))
+    assert linear(torch.zeros(0, INPUTS_PER_SCALE)).shape == (0, 16)
+    assert torch.equal(linear(torch.zeros(2, INPUTS_PER_SCALE)), torch.ones(2, 16))
     with pytest.raises(UnavailableError, match="groups of 32"):
         GroupedLinear.quantized_int8(torch.randn(4, 40), None)
 

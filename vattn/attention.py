@@ -226,16 +226,18 @@ def sdpa_request(query: Tensor, keys: Tensor, values: Tensor, length: int, scale
     new = query.shape[0]
     # Causal, aligned to the end (query j sits at position length - new + j); SDPA's own
     # is_causal aligns to the start, which agrees only when the whole context is new.
-    whole = new == length
+    all_new = new == length
     mask = (
-        None if new == 1 or whole else torch.ones(new, length, dtype=torch.bool, device=query.device).tril(length - new)
+        None
+        if new == 1 or all_new
+        else torch.ones(new, length, dtype=torch.bool, device=query.device).tril(length - new)
     )
-    group = query.shape[1] // keys.shape[1]
-    if mask is not None and group > 1 and query.device.type == "cuda":
+    heads_per_kv = query.shape[1] // keys.shape[1]
+    if mask is not None and heads_per_kv > 1 and query.device.type == "cuda":
         # On CUDA, flash attention takes no mask and memory-efficient attention no GQA, so a
         # masked GQA call falls to the math backend ([heads, new, length] scores in memory):
         # expanded heads let memory-efficient attention take it.
-        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        keys, values = keys.repeat_interleave(heads_per_kv, dim=1), values.repeat_interleave(heads_per_kv, dim=1)
     backends = sdpa_kernel(CUDA_SDPA_BACKENDS) if query.device.type == "cuda" else contextlib.nullcontext()
     with backends:
         attended = F.scaled_dot_product_attention(
@@ -243,7 +245,7 @@ def sdpa_request(query: Tensor, keys: Tensor, values: Tensor, length: int, scale
             keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
-            is_causal=whole and new > 1,
+            is_causal=all_new and new > 1,
             scale=scale,
             enable_gqa=query.shape[1] != keys.shape[1],
         )

@@ -28,11 +28,12 @@ values in each token's row of the same virtual tensor, so they are mapped, share
 leased with the values and need no page schedule of their own."""
 SCALE_BYTES = 4
 """A float32 scale per (token, kv head) in an int8 cache."""
-GPU_KERNEL_PAGE_TOKENS = 16
-"""Tokens of the pages that GPU kernels see a slot as (FlashInfer's paged wrappers, via
-`gpu_kernels.slot_pages`): every slot stride is a whole number of them in every virtual tensor,
-so slot s's page k is page `s * pages_per_slot + k` and slot s's first token row is row
-`s * rows_per_slot` (FlashAttention-2's varlen offsets)."""
+GPU_KERNEL_BLOCK_TOKENS = 16
+"""Tokens of the blocks that GPU kernels see a slot as (what FlashInfer's paged wrappers call
+pages, via `gpu_kernels.token_blocks`; a *page* here is always a physical page): every slot
+stride is a whole number of them in every virtual tensor, so slot s's block k is block
+`s * blocks_per_slot + k` and slot s's first token row is row `s * rows_per_slot`
+(FlashAttention-2's varlen offsets)."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class KVCacheConfig:
     ``[max_slots, max_context, num_kv_heads, head_dim]``; ``mega`` reserves one K and one
     V ``[max_slots, max_context, num_layers, num_kv_heads, head_dim]`` and hands out
     strided per-layer views, so a request grows by 2 pages instead of 2 x layers.
-    Each slot's stride is rounded up to whole pages and whole `GPU_KERNEL_PAGE_TOKENS`-token
+    Each slot's stride is rounded up to whole pages and whole `GPU_KERNEL_BLOCK_TOKENS`-token
     pages, so any ``max_context`` works.
     """
 
@@ -142,8 +143,8 @@ class KVCacheConfig:
         return self.layer_row_bytes if self.layout == "per_layer" else self.layer_row_bytes * self.num_layers
 
     @cached_property
-    def slot_pages(self) -> int:
-        """Pages behind one slot of one virtual tensor at full context."""
+    def max_slot_groups(self) -> int:
+        """Page groups behind one slot at full context (`max_context` tokens)."""
         return math.ceil(self.max_context * self.bytes_per_token / self.page_size)
 
     @cached_property
@@ -167,12 +168,12 @@ class KVCacheConfig:
 
     @cached_property
     def slot_stride(self) -> int:
-        """Bytes between two slots of a virtual tensor: at least `slot_pages` pages, rounded up to a
-        common multiple of the page size and of `GPU_KERNEL_PAGE_TOKENS` token rows (a token's row
-        is `bytes_per_token` apart in both layouts). Address space only: past `slot_pages`, nothing
+        """Bytes between two slots of a virtual tensor: at least `max_slot_groups` pages, rounded up to a
+        common multiple of the page size and of `GPU_KERNEL_BLOCK_TOKENS` token rows (a token's row
+        is `bytes_per_token` apart in both layouts). Address space only: past `max_slot_groups`, nothing
         is ever mapped."""
-        unit = math.lcm(self.page_size, GPU_KERNEL_PAGE_TOKENS * self.bytes_per_token)
-        return -(-self.slot_pages * self.page_size // unit) * unit
+        unit = math.lcm(self.page_size, GPU_KERNEL_BLOCK_TOKENS * self.bytes_per_token)
+        return -(-self.max_slot_groups * self.page_size // unit) * unit
 
     @cached_property
     def reservation_bytes(self) -> int:
@@ -187,7 +188,7 @@ class KVCacheConfig:
     @cached_property
     def pool_pages(self) -> int:
         """Physical pages the pool may create: the budget, capped at what all slots can use."""
-        capacity = self.max_slots * self.slot_pages * self.num_buffers
+        capacity = self.max_slots * self.max_slot_groups * self.num_buffers
         if self.memory_budget is None:
             return capacity
         return min(capacity, self.memory_budget // self.page_size)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from vattn.attention import AttentionBatch, AttentionKernel
-from vattn.config import GPU_KERNEL_PAGE_TOKENS
+from vattn.config import GPU_KERNEL_BLOCK_TOKENS
 from vattn.errors import ConfigurationError, UnavailableError
 from vattn.kv_cache import KVCache
 from vattn.sizes import MiB
@@ -107,7 +107,7 @@ class PagedShape:
     query_heads: int
     kv_heads: int
     head_dim: int
-    page_tokens: int
+    block_tokens: int
     dtype: torch.dtype
     scale: float
 
@@ -137,7 +137,7 @@ class FlashInferPlans:
             return torch.tensor(values, dtype=torch.int32, device=self.device)
 
         shape = self.shape
-        heads = (shape.query_heads, shape.kv_heads, shape.head_dim, shape.page_tokens)
+        heads = (shape.query_heads, shape.kv_heads, shape.head_dim, shape.block_tokens)
         tables = (on_device(indptr), on_device(indices), on_device(last))
         options = {"q_data_type": shape.dtype, "sm_scale": shape.scale}
         if decode:
@@ -159,46 +159,47 @@ class FlashInferPlans:
         return planned.wrapper.run(q, kv)
 
 
-def slot_pages(keys: Tensor, page_tokens: int) -> tuple[Tensor, int]:
-    """A `[slots, context, heads, dim]` virtual tensor seen as pages of `page_tokens` tokens
-    (no copy): `[pages, page_tokens, heads, dim]` where slot s's k-th page is page
-    `s * pages_per_slot + k`. Returns the view and `pages_per_slot`. ValueError when the slot
-    stride is not a whole number of pages, or FlashInfer's 32-bit page stride cannot hold it."""
+def token_blocks(keys: Tensor, block_tokens: int) -> tuple[Tensor, int]:
+    """A `[slots, context, heads, dim]` virtual tensor seen as blocks of `block_tokens` tokens
+    (no copy; FlashInfer's paged wrappers call them pages): `[blocks, block_tokens, heads, dim]`
+    where slot s's k-th block is block `s * blocks_per_slot + k`. Returns the view and
+    `blocks_per_slot`. ValueError when the slot stride is not a whole number of blocks, or
+    FlashInfer's 32-bit stride cannot hold a block's."""
     slot_stride, token_stride, head_stride, _ = keys.stride()
-    page_stride = page_tokens * token_stride
-    if keys.shape[1] % page_tokens:
+    block_stride = block_tokens * token_stride
+    if keys.shape[1] % block_tokens:
         raise ValueError(
-            f"a slot of {keys.shape[1]} tokens is not a whole number of {page_tokens}-token pages: "
-            f"use a max_context that is a multiple of {page_tokens}"
+            f"a slot of {keys.shape[1]} tokens is not a whole number of {block_tokens}-token pages: "
+            f"use a max_context that is a multiple of {block_tokens}"
         )
-    if slot_stride % page_stride:
+    if slot_stride % block_stride:
         raise ValueError(
-            f"the slot stride ({slot_stride} elements) is not a whole number of {page_tokens}-token pages "
-            f"({page_stride} elements): KVCacheConfig rounds it to them, so this tensor was not laid out by one"
+            f"the slot stride ({slot_stride} elements) is not a whole number of {block_tokens}-token pages "
+            f"({block_stride} elements): KVCacheConfig rounds it to them, so this tensor was not laid out by one"
         )
-    if page_stride >= 2**32:
+    if block_stride >= 2**32:
         raise ValueError(
-            f"FlashInfer's page stride is 32-bit, and a {page_tokens}-token page spans {page_stride} elements: "
+            f"FlashInfer's page stride is 32-bit, and a {block_tokens}-token page spans {block_stride} elements: "
             "use layout='per_layer' or fewer kv heads per cache"
         )
-    pages_per_slot = slot_stride // page_stride
-    pages = keys.as_strided(
-        (keys.shape[0] * pages_per_slot, page_tokens, keys.shape[2], keys.shape[3]),
-        (page_stride, token_stride, head_stride, 1),
+    blocks_per_slot = slot_stride // block_stride
+    blocks = keys.as_strided(
+        (keys.shape[0] * blocks_per_slot, block_tokens, keys.shape[2], keys.shape[3]),
+        (block_stride, token_stride, head_stride, 1),
     )
-    return pages, pages_per_slot
+    return blocks, blocks_per_slot
 
 
-def page_table(
-    reqids: tuple[int, ...], lengths: tuple[int, ...], pages_per_slot: int, page_tokens: int
+def block_table(
+    reqids: tuple[int, ...], lengths: tuple[int, ...], blocks_per_slot: int, block_tokens: int
 ) -> tuple[list[int], list[int], list[int]]:
-    """FlashInfer's (indptr, indices, last_page_len) for requests reading their slots' first pages."""
+    """FlashInfer's (indptr, indices, last_page_len) for requests reading their slots' first blocks."""
     indptr, indices, last = [0], [], []
     for reqid, length in zip(reqids, lengths, strict=True):
-        count = -(-length // page_tokens)
-        indices += range(reqid * pages_per_slot, reqid * pages_per_slot + count)
+        count = -(-length // block_tokens)
+        indices += range(reqid * blocks_per_slot, reqid * blocks_per_slot + count)
         indptr.append(len(indices))
-        last.append(length - (count - 1) * page_tokens)
+        last.append(length - (count - 1) * block_tokens)
     return indptr, indices, last
 
 
@@ -318,7 +319,7 @@ class FlashInferSingleKernel(AttentionKernel):
 
 class FlashInferPagedKernel(AttentionKernel):
     """FlashInfer's paged wrappers reading the virtual tensors as a paged cache: each slot is
-    `GPU_KERNEL_PAGE_TOKENS`-token pages (a strided view, no copy), a request's pages its
+    `GPU_KERNEL_BLOCK_TOKENS`-token pages (a strided view, no copy), a request's pages its
     slot's first ones. One planned call per layer for the whole batch, decode or mixed. Pages
     of 16 rather than one per slot: FlashInfer's decode scheduler splits a request's KV only at
     page boundaries, and one page per slot would leave one thread block per (request, head)."""
@@ -331,11 +332,11 @@ class FlashInferPagedKernel(AttentionKernel):
         require_half_precision(cache.config.dtype, self.name)
         flashinfer = import_flashinfer(self.name)  # first: a refusal's traceback then holds no view of the cache
         keys, _ = cache.layer_tensors(0)
-        _, self._pages_per_slot = slot_pages(keys, GPU_KERNEL_PAGE_TOKENS)  # refuses a layout it cannot page
+        _, self._blocks_per_slot = token_blocks(keys, GPU_KERNEL_BLOCK_TOKENS)  # refuses a layout it cannot page
         del keys
         cfg = cache.config
         shape = PagedShape(
-            num_query_heads, cfg.num_kv_heads, cfg.head_dim, GPU_KERNEL_PAGE_TOKENS, cfg.dtype, self.scale
+            num_query_heads, cfg.num_kv_heads, cfg.head_dim, GPU_KERNEL_BLOCK_TOKENS, cfg.dtype, self.scale
         )
         with flashinfer_available(self.name):
             self._plans = FlashInferPlans(flashinfer, cache.device, shape)
@@ -345,7 +346,7 @@ class FlashInferPagedKernel(AttentionKernel):
         """Plans a decode and a prefill over a scratch page (building or loading their kernels:
         a failure there means unavailable), then runs them (a failure there is a fault)."""
         cfg, device = self.cache.config, self.cache.device
-        page = torch.zeros(1, GPU_KERNEL_PAGE_TOKENS, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
+        page = torch.zeros(1, GPU_KERNEL_BLOCK_TOKENS, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
         for rows in (1, 2):
             q = torch.zeros(rows, self.num_query_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
             with flashinfer_available(self.name):
@@ -353,10 +354,10 @@ class FlashInferPagedKernel(AttentionKernel):
             self._plans.run(planned, q, (page, page))
 
     def _planned(self, batch: AttentionBatch) -> AttentionBatch:
-        tables = page_table(batch.reqids, batch.lengths, self._pages_per_slot, GPU_KERNEL_PAGE_TOKENS)
+        tables = block_table(batch.reqids, batch.lengths, self._blocks_per_slot, GPU_KERNEL_BLOCK_TOKENS)
         return replace(batch, wrapper=self._plans.plan(batch.starts, *tables, decode=batch.is_decode))
 
     def _forward(self, kv: tuple[Tensor, Tensor], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self._store(kv, batch, k, v)
-        pages = tuple(slot_pages(tensor, GPU_KERNEL_PAGE_TOKENS)[0] for tensor in kv)
+        pages = tuple(token_blocks(tensor, GPU_KERNEL_BLOCK_TOKENS)[0] for tensor in kv)
         return self._plans.run(batch.wrapper, q, pages)  # type: ignore[arg-type]

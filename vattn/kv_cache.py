@@ -48,11 +48,11 @@ class KVCache(CacheAccess):
         self._pool = PagePool(self.backend, config.pool_pages, budget, config.page_size)
         self._prefix = PrefixCache(self._pool, config.record_events)
         memory = CacheMemory(config, self.backend, self._slots, self._pool)
-        whole, self._layers, self._scales = memory.open()
+        kernels_lease, self._layers, self._scales = memory.open()
         """Each layer's K and V virtual tensors, for the kernels (`layer_tensors`)."""
         self._memory: CacheMemory | None = memory
         """Held while open; afterwards only views hold it (see close)."""
-        self._whole = weakref.ref(whole)
+        self._kernels_lease = weakref.ref(kernels_lease)
         self.device = self._layers[0][0].device
         self._lock = threading.Lock()
         self._counters = MappingCounters()
@@ -153,9 +153,9 @@ class KVCache(CacheAccess):
             child = self._policy.next_free_slot()
             if child is None:
                 raise OutOfSlotsError(cfg.max_slots, sum(not s.active and s.pinned() for s in self._slots))
-            whole = self._policy.fork(parent, child)
+            shared = self._policy.fork(parent, child)
             self._policy.trim_prefix_cache()
-            child.adopt(parent, whole)
+            child.adopt(parent, shared)
         self._wake_mapper()
         return child.index
 
@@ -266,7 +266,7 @@ class KVCache(CacheAccess):
         self._layers.clear()
         self._scales.clear()
         memory, self._memory = self._memory, None
-        if memory and self._whole() is None and not any(slot.pinned() for slot in self._slots):
+        if memory and self._kernels_lease() is None and not any(slot.pinned() for slot in self._slots):
             memory.release()  # here, so that errors reach the caller
 
     def __enter__(self) -> KVCache:

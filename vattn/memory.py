@@ -56,8 +56,10 @@ class CacheMemory:
             for _ in range(cfg.num_buffers):
                 self.bases.append(self.backend.reserve(cfg.reservation_bytes))
                 self.scratch.append(self.backend.reserve(cfg.unit_bytes))
-            whole = Lease(self, ())
-            buffers = [self.backend.tensor(base, cfg.reservation_bytes, whole, dtype=cfg.dtype) for base in self.bases]
+            kernels_lease = Lease(self, ())
+            buffers = [
+                self.backend.tensor(base, cfg.reservation_bytes, kernels_lease, dtype=cfg.dtype) for base in self.bases
+            ]
         except BaseException:
             self.release()
             raise
@@ -70,7 +72,7 @@ class CacheMemory:
             tuple(cfg.scales_view(buffers[b], layer, context, rows) for b in cfg.kv_buffers(layer))
             for layer in range(cfg.num_layers if cfg.quantized else 0)
         ]
-        return whole, layers, scales  # type: ignore[return-value]
+        return kernels_lease, layers, scales  # type: ignore[return-value]
 
     def padded_batch(
         self, layer: int, layer_tensors: tuple[torch.Tensor, torch.Tensor], slots: list[Slot], device: torch.device

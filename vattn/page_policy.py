@@ -53,7 +53,7 @@ class PagePolicy:
         idle = sorted((s for s in self.slots if not s.active and s is not nxt), key=lambda s: len(s.pages))
         active = [s for s in self.slots if s.active] if for_step else []
 
-        def tails(slots: list[Slot]) -> list[Reclaim]:
+        def spare_groups(slots: list[Slot]) -> list[Reclaim]:
             spare: list[Reclaim] = []
             for slot in slots:
                 need = keep.get(slot.index, self.config.pages_for(slot.length) if slot.active else 0)
@@ -62,7 +62,7 @@ class PagePolicy:
             return spare
 
         units: list[Reclaim] = list(self.prefix.units()) if for_step else []
-        return tails(idle) + units + tails([nxt] if nxt else []) + tails(active)
+        return spare_groups(idle) + units + spare_groups([nxt] if nxt else []) + spare_groups(active)
 
     def available_pages(self, keep: Mapping[int, int]) -> int:
         """Free pages plus those that reclaiming everything step() may take would free: the
@@ -119,10 +119,10 @@ class PagePolicy:
                     continue
                 slot, spare = action
                 groups, freed = 0, 0
-                while groups < spare and freed < deficit:  # from the tail, until they free enough
+                while groups < spare and freed < deficit:  # from the last, until they free enough
                     groups += 1
                     freed += sum(self.pool.refs(page) == 1 for page in slot.pages[-groups])
-                self.pages.unmap_tail([(slot, groups)])
+                self.pages.unmap_last_groups([(slot, groups)])
                 done = True
         return done
 
@@ -180,7 +180,7 @@ class PagePolicy:
         """Unmaps every idle slot's pages but those of slots live views hold; whether any went."""
         idle = [(s, len(s.pages)) for s in self.slots if not s.active and s.pages and not s.pinned()]
         if idle:
-            self.pages.unmap_tail(idle)
+            self.pages.unmap_last_groups(idle)
         return bool(idle)
 
     def trim_prefix_cache(self) -> None:
@@ -213,7 +213,7 @@ class PagePolicy:
             self.trim_prefix_cache()
             return []
         nxt = self.next_free_slot()
-        eager = min(cfg.eager_pages, cfg.slot_pages)
+        eager = min(cfg.eager_pages, cfg.max_slot_groups)
         if nxt and len(nxt.pages) < eager and self.pool.num_free - width >= floor:
             return self.pages.map([(nxt, 1)], Origin.BACKGROUND)
         return None
@@ -242,18 +242,18 @@ class PagePolicy:
         partial last one (room made first); returns how many page groups the two now share."""
         cfg, width = self.config, self.config.num_buffers
         written = parent.length * cfg.bytes_per_token
-        whole = written // cfg.page_size
-        partial = cfg.pages_for(parent.length) - whole
+        shared = written // cfg.page_size
+        partial = cfg.pages_for(parent.length) - shared
         if child.pages:
-            self.pages.unmap_tail([(child, len(child.pages))])
+            self.pages.unmap_last_groups([(child, len(child.pages))])
         self.make_room(partial * width, {parent.index: len(parent.pages), child.index: 0})
-        self.pages.map_shared(child, parent.pages[:whole])
-        tail = written - whole * cfg.page_size
+        self.pages.map_shared(child, parent.pages[:shared])
+        partial_bytes = written - shared * cfg.page_size
         if partial:
             self.pages.map([(child, 1)], Origin.STEP)
-            self.pages.copy_tail(parent, child, whole, tail)
+            self.pages.copy_partial_group(parent, child, shared, partial_bytes)
         counters = self.pages.counters
         counters.forks += 1
-        counters.fork_shared_pages += whole * width
-        counters.fork_copied_bytes += tail * len(self.pages.bases)
-        return whole
+        counters.fork_shared_pages += shared * width
+        counters.fork_copied_bytes += partial_bytes * len(self.pages.bases)
+        return shared

@@ -67,7 +67,8 @@ class CachedUnit:
     tokens: tuple[int, ...] = ()
     """Its tokens, for matches that end inside it."""
     whole: bool = True
-    """A full unit (False: a tail, found only by matches that end inside it)."""
+    """A full unit (False: a partial unit, a slot's tail cached when it ended, found only by
+    matches that end inside it)."""
 
 
 @dataclass(frozen=True)

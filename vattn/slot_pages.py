@@ -54,7 +54,7 @@ class SlotPages:
         writes only its own."""
         shared = next((k for k in range(first, len(slot.pages)) if self.pool.refs(slot.pages[k][0]) > 1), None)
         if shared is not None:
-            self.unmap_tail([(slot, len(slot.pages) - shared)])
+            self.unmap_last_groups([(slot, len(slot.pages) - shared)])
 
     def map_shared(self, slot: Slot, groups: list[list[int]], first: int = 0) -> None:
         """Maps already referenced page groups as the slot's groups from `first` on (it maps
@@ -121,17 +121,17 @@ class SlotPages:
             raise
         self.counters.map.add(len(pages), time.perf_counter() - started)
 
-    def unmap_tail(self, tails: list[tuple[Slot, int]]) -> None:
+    def unmap_last_groups(self, counts: list[tuple[Slot, int]]) -> None:
         """Unmaps the last `count` page groups of each slot in one batch; pages go back to the pool."""
         addrs, pages = [], []
-        for slot, count in tails:
+        for slot, count in counts:
             first = len(slot.pages) - count
             addrs += self.addrs(slot, first, count)
             pages += [page for group in slot.pages[first:] for page in group]
         started = time.perf_counter()
-        self.backend.unmap(addrs, fences([slot for slot, _ in tails]))
+        self.backend.unmap(addrs, fences([slot for slot, _ in counts]))
         self.counters.unmap.add(len(pages), time.perf_counter() - started)
-        for slot, count in tails:
+        for slot, count in counts:
             del slot.pages[len(slot.pages) - count :]
             del slot.origins[len(slot.origins) - count :]
         self.pool.give_back(pages)
@@ -141,7 +141,7 @@ class SlotPages:
         started = time.perf_counter()
         return self.backend.populate(addrs), time.perf_counter() - started
 
-    def copy_tail(self, source: Slot, target: Slot, group: int, nbytes: int) -> None:
+    def copy_partial_group(self, source: Slot, target: Slot, group: int, nbytes: int) -> None:
         """Copies the first `nbytes` of page group `group` of `source` into `target`'s (both mapped)."""
         cfg = self.config
         for base in self.bases:

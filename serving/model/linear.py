@@ -47,7 +47,7 @@ from torch import Tensor
 
 from serving.config import QUANTIZATIONS
 from serving.model.cpu_features import bf16_available, cpu_kernels, int8_activations_fast, vnni_available
-from serving.model.weights import GROUP, TILE, GroupedWeight, PairedWeight
+from serving.model.weights import INPUTS_PER_SCALE, TILE, GroupedWeight, PairedWeight
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
 
@@ -193,10 +193,11 @@ class GroupedLinear:
         activation_bits: int = 16,
     ) -> GroupedLinear:
         out, inputs = weight.shape
-        if weight.device.type != "cpu" or inputs % GROUP:
+        if weight.device.type != "cpu" or inputs % INPUTS_PER_SCALE:
             raise UnavailableError(
                 f"{'int8_weight_only' if activation_bits == 16 else 'q8_0'} runs on the CPU with inputs in groups of "
-                f"{GROUP}; these weights are [{out}, {inputs}] on {weight.device}: use quantization 'none' or 'bf16'"
+                f"{INPUTS_PER_SCALE}; these weights are [{out}, {inputs}] on {weight.device}: "
+                "use quantization 'none' or 'bf16'"
             )
         return cls(GroupedWeight.quantize_int8(weight), bias, kernels, bf16_prompts, activation_bits)
 

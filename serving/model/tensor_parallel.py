@@ -85,7 +85,7 @@ def shard_model(model: Any, shape: ModelShape, rank: int, size: int) -> ModelSha
 
 
 @dataclass
-class Group:
+class Ranks:
     """This process's place among the ranks."""
 
     rank: int
@@ -102,7 +102,7 @@ class Group:
         return box[0]
 
 
-def join(config: EngineConfig, rank: int) -> Group:
+def join(config: EngineConfig, rank: int) -> Ranks:
     backend = "nccl" if config.backend == "cuda" else "gloo"
     dist.init_process_group(
         backend,
@@ -111,7 +111,7 @@ def join(config: EngineConfig, rank: int) -> Group:
         world_size=config.tensor_parallel_size,
         timeout=IDLE_TIMEOUT,
     )
-    return Group(rank, config.tensor_parallel_size)
+    return Ranks(rank, config.tensor_parallel_size)
 
 
 def free_port() -> int:
