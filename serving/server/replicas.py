@@ -30,9 +30,13 @@ log = logging.getLogger("vattn.replicas")
 ROUTERS = ("vllm-router", "smg")
 ROUTER_VENV = Path(sys.prefix).parent / ".peers" / "router"
 """Where `make router` installs the routers (beside the project's .venv)."""
-ROUTER_HEALTH = ("--health-check-interval-secs", "2", "--health-failure-threshold", "2", "--cb-failure-threshold", "3")
-"""Probe every 2 s and take a replica out after 2 failed probes or 3 failed requests (the routers'
-defaults, 60 s x 3 and 10, leave a dead replica in the rotation for minutes)."""
+ROUTER_HEALTH = (
+    *("--health-check-interval-secs", "2", "--health-failure-threshold", "2"),
+    *("--cb-failure-threshold", "3", "--cb-timeout-duration-secs", "5"),
+)
+"""Probe every 2 s and take a replica out after 2 failed probes or 3 failed requests, and try one
+whose requests failed again after 5 s (the routers' defaults, 60 s x 3, 10 and 60 s, leave a dead
+replica in the rotation for minutes, and a woken or restarted one out of it for a minute)."""
 
 
 @dataclass(frozen=True)
