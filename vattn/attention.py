@@ -181,7 +181,8 @@ class AttentionKernel(ABC):
                     f"{name} must be {' or '.join(map(str, sorted(dtypes, key=str)))} {list(shape)} on "
                     f"{self.cache.device}, got {tensor.dtype} {list(tensor.shape)} on {tensor.device}"
                 )
-        return self._forward(self._layer_kv(layer), batch, q, k, v)
+        with sdpa_backends(self.cache.device):
+            return self._forward(self._layer_kv(layer), batch, q, k, v)
 
     def _layer_kv(self, layer: int) -> tuple[Tensor, ...]:
         """The layer's K and V tensors (and whatever else of the layer's), as `_forward` reads them."""
@@ -214,7 +215,13 @@ def kernel_classes() -> list[type[AttentionKernel]]:
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """SDPA's CUDA backends for serving, cuDNN's left out: cuDNN builds a graph for every new
 sequence length (hundreds of ms each, PyTorch's own first-call cost), and a server sees a new
-length with nearly every prompt."""
+length with nearly every prompt. Every kernel's layer call runs under them (`sdpa_backends`)."""
+
+
+def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """SDPA's backends for one layer's attention on `device`: CUDA_SDPA_BACKENDS on CUDA (entered
+    once per layer, not per request), torch's own choice elsewhere."""
+    return sdpa_kernel(CUDA_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def sdpa_request(query: Tensor, keys: Tensor, values: Tensor, length: int, scale: float) -> Tensor:
@@ -238,15 +245,13 @@ def sdpa_request(query: Tensor, keys: Tensor, values: Tensor, length: int, scale
         # masked GQA call falls to the math backend ([heads, new, length] scores in memory):
         # expanded heads let memory-efficient attention take it.
         keys, values = keys.repeat_interleave(heads_per_kv, dim=1), values.repeat_interleave(heads_per_kv, dim=1)
-    backends = sdpa_kernel(CUDA_SDPA_BACKENDS) if query.device.type == "cuda" else contextlib.nullcontext()
-    with backends:
-        attended = F.scaled_dot_product_attention(
-            query.transpose(0, 1).unsqueeze(0),
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=all_new and new > 1,
-            scale=scale,
-            enable_gqa=query.shape[1] != keys.shape[1],
-        )
+    attended = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=all_new and new > 1,
+        scale=scale,
+        enable_gqa=query.shape[1] != keys.shape[1],
+    )
     return attended.squeeze(0).transpose(0, 1)
