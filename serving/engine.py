@@ -227,7 +227,8 @@ class LLMEngine:
                 sampled.append(request)
                 sample_rows.append(first + count - 1)
             first += count
-        choices = sample(logits[sample_rows], sampled, self.eos_token_ids, self._generator)
+        every_row = sample_rows == list(range(logits.shape[0]))  # decodes only: no copy of the logits
+        choices = sample(logits if every_row else logits[sample_rows], sampled, self.eos_token_ids, self._generator)
         for request, choice in zip(sampled, choices, strict=True):
             if isinstance(choice, SamplingError):
                 self._fail(request, RequestError(str(choice)))

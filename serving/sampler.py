@@ -40,13 +40,16 @@ def sample(
     raw = torch.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None
     errors: dict[int, SamplingError] = _constrain(logits, requests, eos_token_ids)
     _penalize(logits, requests)
-    possible = (logits > float("-inf")).any(dim=-1).tolist()  # False for NaN rows too
+    # One pass gives both each row's greedy token and whether any token is possible (a NaN
+    # anywhere makes the maximum NaN: that row is not possible either).
+    top, greedy = logits.max(dim=-1)
+    possible = (top > float("-inf")).tolist()
     for i, request in enumerate(requests):
         if not possible[i] and i not in errors:
             errors[i] = SamplingError(f"no token satisfies every constraint of the request ({_controls(request)})")
     if errors:
         logits[list(errors)] = 0.0  # a finite row, so that the batched operations below stay defined
-    tokens = _choose(logits, requests, fallback)
+    tokens = _choose(logits, greedy.tolist(), requests, fallback)
     logprobs: list[TokenLogprob | None] = [None] * len(requests)
     if raw is not None:
         top_n = max(requests[i].params.logprobs or 0 for i in wants_logprobs)
@@ -164,8 +167,8 @@ def _counts(sequences: list[list[int]], vocab: int) -> Tensor:
     return counts[:, :vocab]
 
 
-def _choose(logits: Tensor, requests: list[Request], fallback: torch.Generator) -> list[int]:
-    tokens = logits.argmax(dim=-1).tolist()
+def _choose(logits: Tensor, tokens: list[int], requests: list[Request], fallback: torch.Generator) -> list[int]:
+    """`tokens` (each row's argmax) with the rows that do not decode greedily drawn instead."""
     drawn = [i for i, r in enumerate(requests) if not r.params.greedy]
     if not drawn:
         return tokens

@@ -67,6 +67,24 @@ def test_a_cached_prefix_is_mapped_not_copied_and_reads_the_same(make_cache: Mak
     assert (stats.prefix.queries, stats.prefix.hits) == (200 + 178 + 200, 2 * unit + len(prompt) - 1)
 
 
+class Three(int):
+    """An int subclass: accepted as the id it stores, but off the plain-int fast path."""
+
+
+@pytest.mark.parametrize("bad", [-1, True, 2.0, "7"])
+def test_tokens_that_are_not_ids_are_refused_and_int_subclasses_read_as_ids(make_cache: MakeCache, bad: object) -> None:
+    cache = make_cache(**ODD)
+    reqid = cache.alloc_reqid()
+    prompt = [*range(10, 40), Three(3)]
+    assert cache.match_prefix(reqid, prompt) == 0
+    write(cache, reqid, list(map(int, prompt)))
+    cache.cache_prefix(reqid, prompt)  # the tail, checked one by one
+    with pytest.raises(ValueError, match="non-negative integers"):
+        cache.match_prefix(cache.alloc_reqid(), [1, 2, bad])
+    with pytest.raises(ValueError, match="non-negative integers"):
+        cache.cache_prefix(reqid, [*prompt[:-1], bad])
+
+
 def test_a_prompt_never_matches_whole_so_its_last_token_is_computed(make_cache: MakeCache) -> None:
     cache = make_cache(**ODD)
     prompt = list(range(128))  # exactly two units

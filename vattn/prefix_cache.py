@@ -277,8 +277,11 @@ class PrefixCache:
 
 
 def token_ids(tokens: Sequence[int]) -> list[int]:
+    """`tokens` as a list, checked: a running request's are checked at every step, so plain ints
+    are checked at C speed (type set, minimum) and only anything else one by one."""
     ids = list(tokens)
-    if not all(is_int(t) and t >= 0 for t in ids):
+    plain = not ids or (set(map(type, ids)) == {int} and min(ids) >= 0)
+    if not plain and not all(is_int(t) and t >= 0 for t in ids):
         raise ValueError("tokens must be non-negative integers (token ids)")
     return ids
 
