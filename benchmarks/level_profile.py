@@ -1,6 +1,6 @@
 """Where one level of `benchmarks.serving_compare` spends the engine's time, in-process.
 
-The level's own prompts (the same seeded 32-512-word prompts, the same slice) run through
+The level's prompts of its first round (the same seeded 32-512-word prompts, the same slice) run through
 `LLMEngine` with `--concurrency` requests in flight and a new one added whenever one
 finishes, 64 greedy tokens each, as the HTTP client drives the server. Each engine
 iteration is timed and classed as decode-only or as one that also computes prompt tokens.
