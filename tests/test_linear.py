@@ -14,7 +14,7 @@ import torch
 from serving.config import QUANTIZATIONS
 from serving.model.cpu_features import bf16_available, cpu_kernels, int8_activations_fast, vnni_available
 from serving.model.linear import DenseLinear, GroupedLinear, fused, make_linear, paired_kernels
-from serving.model.runner import Float32Head, lm_head
+from serving.model.runner import RescoredHead, lm_head
 from serving.model.weights import INPUTS_PER_SCALE, GroupedWeight, PairedWeight
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
@@ -345,19 +345,35 @@ def test_projections_are_right_on_every_onednn_path(isa: str | None) -> None:
         assert facts["isa"] == "Intel AVX2"
 
 
-def test_the_bf16_class_keeps_its_lm_head_in_float32() -> None:
-    """Under the bf16 preset, and for a bfloat16 model, the head multiplies in float32 (greedy
-    answers hang on near-ties between the top logits); other presets quantize it as the rest."""
-    head = torch.nn.Linear(96, 40, bias=False)
+def test_the_bf16_class_rescores_its_lm_heads_top_logits_in_float32() -> None:
+    """Under the bf16 preset, and for a bfloat16 model, the head multiplies in bf16 and its top
+    logits again in float32 (greedy answers hang on near-ties between them, which bf16's output
+    rounds away); other presets quantize it as the rest."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(96, 40, bias=True)
     x = torch.randn(3, 96)
-    expected = torch.nn.functional.linear(x, head.weight).detach()
+    with torch.no_grad():  # a near-tie: output 9 beats output 7 by far less than bf16 resolves
+        head.bias.zero_()
+        head.weight[7] = head.weight[7].abs()
+        head.weight[9] = head.weight[7]
+        head.weight[:, 0] = 0.0
+        head.weight[9, 0] = 1e-3
+        head.weight[[7, 9]] *= 20 / (head.weight[7] @ x[0].abs()).abs()  # logits near 20: bf16 steps 0.125
+        x[0] = x[0].abs()
+    expected = torch.nn.functional.linear(x, head.weight, head.bias).detach()
     for linear, inputs in [(head, x), (copy.deepcopy(head).to(torch.bfloat16), x.to(torch.bfloat16))]:
         quantization = "bf16" if inputs.dtype == torch.float32 else "none"
         made = lm_head(linear, quantization)
-        assert isinstance(made, Float32Head)
+        assert isinstance(made, RescoredHead)
         logits = made(inputs)
         assert logits.dtype == torch.float32
-        reference = torch.nn.functional.linear(inputs.float(), linear.weight.float()).detach()
-        torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+        reference = torch.nn.functional.linear(inputs.float(), linear.weight.float(), linear.bias.float()).detach()
+        top = reference.topk(RescoredHead.CANDIDATES // 2, dim=-1).indices  # among the re-scored ones
+        torch.testing.assert_close(logits.gather(-1, top), reference.gather(-1, top), rtol=1e-5, atol=1e-5)
+        magnitude = torch.nn.functional.linear(inputs.float().abs(), linear.weight.float().abs())
+        assert ((logits - reference).abs() <= 2**-7 * magnitude + 1e-6).all()  # the rest, as bf16 rounds
+        assert logits[0].argmax() == reference[0].argmax() == 9
+        bf16_only = torch.nn.functional.linear(inputs.bfloat16(), linear.weight.bfloat16(), linear.bias.bfloat16())
+        assert bf16_only[0, 9] == bf16_only[0, 7]  # what the re-scoring tells apart
     assert isinstance(lm_head(head, "none"), DenseLinear)
-    assert (lm_head(head, "bf16")(x) - expected).abs().max() < 1e-5
+    assert torch.equal(lm_head(head, "bf16")(x).argmax(-1), expected.argmax(-1))

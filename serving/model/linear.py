@@ -7,7 +7,7 @@
   (fp32 accumulation), the activations converted per call; half of fp32's weight bytes, and
   on CPUs with AVX-512 BF16 about twice fp32's speed (AMX: oneDNN's AMX kernels). The rest of
   the model (norms, attention, KV) stays in the model's dtype, and the LM head runs in float32
-  (serving.model.runner.Float32Head; a bfloat16 model's too, on the CPU).
+  (serving.model.runner.RescoredHead; a bfloat16 model's too, on the CPU).
 - `int8`: weights as symmetric int8 with one scale per output channel, activations
   quantized per row as each call runs, multiplied in int8 (`vattn::int8_linear`, which
   uses torch's `_int_mm`). A quarter of fp32's weight bytes. Fast only where `_int_mm` is
