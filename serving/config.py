@@ -28,7 +28,7 @@ class EngineConfig:
     spot, serving.model.synthetic); None is the default model (fetched on first use)."""
     dtype: str = "auto"
     """The model's precision: `float32` (exact), `bfloat16`, `float16`, or `auto`: on the CPU
-    bfloat16 (weights, activations, KV cache; the LM head in float32) where the CPU runs bf16
+    bfloat16 (weights, activations, KV cache; the LM head's top logits re-scored in float32) where the CPU runs bf16
     natively (AVX512_BF16, AMX: `serving.model.cpu_features.bf16_native`) and neither a quantization
     nor another KV precision is asked for, measured near-lossless (benchmarks/README,
     `quality_bf16`) and the fastest of the bf16 class offline; float32 elsewhere, and under
