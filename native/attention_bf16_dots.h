@@ -60,7 +60,8 @@ struct Avx512Bf16Math : Avx512Math {
       dots_transposed_left<L - 1>(q, out, count, kt, live, dim, scale);
     }
   }
-  static void dots_lanes(const c10::BFloat16* const* q, float* const* out, int64_t count,
+  // One block (n <= kBlock keys).
+  static void dots_block(const c10::BFloat16* const* q, float* const* out, int64_t count,
                          const c10::BFloat16* const* keys, int64_t n, int64_t dim, float scale) {
     constexpr int64_t kLanes = 8;
     if (count < kLanes) {
@@ -75,6 +76,55 @@ struct Avx512Bf16Math : Avx512Math {
     int64_t l = 0;
     for (; l + kLanes <= count; l += kLanes) dots_transposed<kLanes>(q + l, out + l, kt, live, dim, scale);
     dots_transposed_left<kLanes - 1>(q + l, out + l, count - l, kt, live, dim, scale);
+  }
+
+  // Two full blocks at once (keys[0..32)): each broadcast query pair feeds two key vectors, so
+  // a lane's pair is loaded once per 32 keys, not per 16 (the single-block loop loads nine
+  // values for eight multiply-adds, and loads bound it).
+  template <int64_t L>
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void dots_transposed2(
+      const c10::BFloat16* const* q, float* const* out, const float* kt, const float* kt2, int64_t dim, float scale) {
+    __m512 first[L], second[L];
+    for (int64_t l = 0; l < L; ++l) first[l] = second[l] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < dim / 2; ++p) {
+      const __m512bh k = (__m512bh)_mm512_loadu_ps(kt + p * 16), k2 = (__m512bh)_mm512_loadu_ps(kt2 + p * 16);
+      for (int64_t l = 0; l < L; ++l) {
+        const __m512bh pair = (__m512bh)_mm512_set1_ps(pairs(q[l])[p]);
+        first[l] = _mm512_dpbf16_ps(first[l], pair, k);
+        second[l] = _mm512_dpbf16_ps(second[l], pair, k2);
+      }
+    }
+    const __m512 factor = _mm512_set1_ps(scale);
+    for (int64_t l = 0; l < L; ++l) {
+      _mm512_storeu_ps(out[l], _mm512_mul_ps(factor, first[l]));
+      _mm512_storeu_ps(out[l] + kBlock, _mm512_mul_ps(factor, second[l]));
+    }
+  }
+  // `count` lanes' scores against n keys: one block, or two full ones (n = 2 * kBlock).
+  static void dots_lanes(const c10::BFloat16* const* q, float* const* out, int64_t count,
+                         const c10::BFloat16* const* keys, int64_t n, int64_t dim, float scale) {
+    constexpr int64_t kLanes = 8;
+    if (n <= kBlock) return dots_block(q, out, count, keys, n, dim, scale);
+    if (count < kLanes) {
+      dots_block(q, out, count, keys, kBlock, dim, scale);
+      float* second[kLanes];
+      for (int64_t l = 0; l < count; ++l) second[l] = out[l] + kBlock;
+      dots_block(q, second, count, keys + kBlock, kBlock, dim, scale);
+      return;
+    }
+    const float* rows[2 * kBlock];
+    for (int64_t j = 0; j < 2 * kBlock; ++j) rows[j] = pairs(keys[j]);
+    alignas(64) float kt[Avx512Math::kMaxDim / 2 * 16], kt2[Avx512Math::kMaxDim / 2 * 16];
+    for (int64_t p = 0; p < dim / 2; p += 16) {
+      Avx512Math::transpose16(rows, kBlock, p, kt + p * 16);
+      Avx512Math::transpose16(rows + kBlock, kBlock, p, kt2 + p * 16);
+    }
+    int64_t l = 0;
+    for (; l + kLanes <= count; l += kLanes) dots_transposed2<kLanes>(q + l, out + l, kt, kt2, dim, scale);
+    float* second[kLanes];
+    for (int64_t i = l; i < count; ++i) second[i - l] = out[i] + kBlock;
+    dots_transposed_left<kLanes - 1>(q + l, out + l, count - l, kt, 0xFFFF, dim, scale);
+    dots_transposed_left<kLanes - 1>(q + l, second, count - l, kt2, 0xFFFF, dim, scale);
   }
 
   // The block's values with keys 2k and 2k + 1 interleaved: packed[(k * dim / 16 + c) * 32 + 2i + s]
@@ -97,7 +147,7 @@ struct Avx512Bf16Math : Avx512Math {
   // for L lanes and V columns of 16 from column 16 * first.
   template <int64_t L, int64_t V>
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void accumulate_block(
-      float* const* acc, const uint32_t (*p)[kBlock / 2], const c10::BFloat16* packed, int64_t pairs_count, int64_t dim,
+      float* const* acc, const uint32_t (*p)[kBlock], const c10::BFloat16* packed, int64_t pairs_count, int64_t dim,
       int64_t first) {
     __m512 a[L][V];
     for (int64_t l = 0; l < L; ++l)
@@ -115,7 +165,7 @@ struct Avx512Bf16Math : Avx512Math {
       for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc[l] + 16 * (first + v), a[l][v]);
   }
   template <int64_t L>
-  static void accumulate_lanes_of(float* const* acc, const uint32_t (*p)[kBlock / 2], const c10::BFloat16* packed,
+  static void accumulate_lanes_of(float* const* acc, const uint32_t (*p)[kBlock], const c10::BFloat16* packed,
                                   int64_t pairs_count, int64_t dim) {
     int64_t c = 0;
     for (; c + 4 <= dim / 16; c += 4) accumulate_block<L, 4>(acc, p, packed, pairs_count, dim, c);
@@ -124,16 +174,20 @@ struct Avx512Bf16Math : Avx512Math {
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void accumulate_lanes(
       float* const* acc, const float* const* p, int64_t count, const c10::BFloat16* const* values, int64_t n,
       int64_t dim) {
-    alignas(64) c10::BFloat16 packed[kBlock / 2 * Avx512Math::kMaxDim * 2];
+    // n <= 2 * kBlock: two blocks' values at once halve the accumulators' loads and stores.
+    alignas(64) c10::BFloat16 packed[kBlock * Avx512Math::kMaxDim * 2];
     pack_values(values, n, dim, packed);
-    const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
     const int64_t pairs_count = (n + 1) / 2;
     for (int64_t l = 0; l < count; l += 4) {
       const int64_t lanes = std::min<int64_t>(4, count - l);
-      uint32_t rounded[4][kBlock / 2];
+      uint32_t rounded[4][kBlock];
       for (int64_t i = 0; i < lanes; ++i)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded[i]),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p[l + i])));
+        for (int64_t first = 0; first < n; first += 16) {
+          const int64_t left = n - first;
+          const __mmask16 live = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded[i] + first / 2),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p[l + i] + first)));
+        }
       switch (lanes) {
         case 4: accumulate_lanes_of<4>(acc + l, rounded, packed, pairs_count, dim); break;
         case 3: accumulate_lanes_of<3>(acc + l, rounded, packed, pairs_count, dim); break;

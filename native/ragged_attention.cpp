@@ -627,18 +627,28 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
           }
         return count;
       };
-      // Scores for every key a row might see (keys past a row's own last one get weight 0 below).
-      for (int64_t jb = 0; jb < keys; jb += kBlock) {
-        const int64_t n = std::min(kBlock, keys - jb);
-        for (int64_t kv = 0; kv < kv_heads; ++kv) {
-          const Row* const* key_block = block_rows(key_rows, kv, jb, n);
-          const int64_t count = lanes_from(jb, kv);
-          if constexpr (kPairs)
-            Math::dots_lanes(lane_queries.data(), lane_scores.data(), count, key_block, n, dim, scale);
-          else
-            dots_lanes<Math>(lane_queries.data(), lane_scores.data(), count, key_block, n, dim);
+      // Each kv head's rows block by block: fn(rows, n, lanes that see the block's first key).
+      // The bf16 body takes two full blocks (n = 2 * kBlock) at a time where the keys allow.
+      auto by_blocks = [&](const Rows& rows_of, auto&& fn) {
+        for (int64_t jb = 0, n = 0; jb < keys; jb += n) {
+          n = std::min(kPairs && jb + 2 * kBlock <= keys ? 2 * kBlock : kBlock, keys - jb);
+          for (int64_t kv = 0; kv < kv_heads; ++kv) {
+            const Row* rows[2 * kBlock];
+            for (int64_t at = 0; at < n; at += kBlock) {
+              const int64_t part = std::min(kBlock, n - at);
+              std::copy_n(block_rows(rows_of, kv, jb + at, part), part, rows + at);
+            }
+            fn(rows, n, lanes_from(jb, kv));
+          }
         }
-      }
+      };
+      // Scores for every key a row might see (keys past a row's own last one get weight 0 below).
+      by_blocks(key_rows, [&](const Row* const* rows, int64_t n, int64_t count) {
+        if constexpr (kPairs)
+          Math::dots_lanes(lane_queries.data(), lane_scores.data(), count, rows, n, dim, scale);
+        else
+          dots_lanes<Math>(lane_queries.data(), lane_scores.data(), count, rows, n, dim);
+      });
       tops.resize(lanes);
       totals.resize(lanes);
       for (int64_t lane = 0; lane < lanes; ++lane) {
@@ -648,17 +658,12 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
         totals[lane] = Math::exp_sum(s, count, tops[lane]);
         std::fill(s + count, s + keys, 0.0f);  // keys past the row's own: weight 0 in every block
       }
-      for (int64_t jb = 0; jb < keys; jb += kBlock) {
-        const int64_t n = std::min(kBlock, keys - jb);
-        for (int64_t kv = 0; kv < kv_heads; ++kv) {
-          const Row* const* value_block = block_rows(value_rows, kv, jb, n);
-          const int64_t count = lanes_from(jb, kv);
-          if constexpr (kPairs)
-            Math::accumulate_lanes(lane_sums.data(), lane_scores.data(), count, value_block, n, dim);
-          else
-            accumulate_lanes<Math>(lane_sums.data(), lane_scores.data(), count, value_block, n, dim);
-        }
-      }
+      by_blocks(value_rows, [&](const Row* const* rows, int64_t n, int64_t count) {
+        if constexpr (kPairs)
+          Math::accumulate_lanes(lane_sums.data(), lane_scores.data(), count, rows, n, dim);
+        else
+          accumulate_lanes<Math>(lane_sums.data(), lane_scores.data(), count, rows, n, dim);
+      });
       if (item.partial >= 0) {
         std::copy(tops.begin(), tops.end(), partial_max.begin() + item.partial);
         std::copy(totals.begin(), totals.end(), partial_sum.begin() + item.partial);
