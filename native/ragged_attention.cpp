@@ -19,11 +19,12 @@
 // chunks that run as items of their own and are merged after by their softmax maxima and
 // sums (flash-decoding); otherwise one thread would hold a whole context while the other
 // idles. Items run on torch's own thread pool (at::parallel_for), so no second OpenMP
-// runtime.
+// runtime, each thread taking the costliest item left whenever it finishes one.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <cmath>
 #include <cstdint>
@@ -554,9 +555,12 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       partial_lanes += tile.rows * heads;
     }
   }
-  // Most keys first: a cheap balance across the pool's threads.
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.key_end - a.key_begin > b.key_end - b.key_begin; });
+  // Costliest first (rows x keys), each thread taking the next item as it finishes its last:
+  // at::parallel_for hands each thread one contiguous share of a range, so sorted items split
+  // that way would leave one thread all the long ones.
+  const auto cost = [](const Item& item) { return item.rows * (item.key_end - item.key_begin); };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
+  std::atomic<int64_t> next_item{0};
   // Split items' unnormalized results: per lane its score maximum, its sum of exp and its
   // weighted sum of values, merged into `out` after every chunk is done.
   std::vector<float> partial_max(partial_lanes), partial_sum(partial_lanes), partial_acc(partial_lanes * dim);
@@ -565,14 +569,15 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
   // (queries scaled before).
   constexpr bool kPairs = std::is_same_v<Math, Avx512Bf16Math>;
   using Row = std::conditional_t<kPairs, c10::BFloat16, float>;
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  const int64_t item_count = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), item_count), 1, [&](int64_t, int64_t) {
     std::vector<float> scores, acc, tops, totals, converted(kBlock * dim), row_scales(kBlock);
     std::vector<Row> queries;
     std::vector<const float*> pointers(kBlock);
     std::vector<const KT*> sources(kBlock);
     std::vector<const Row*> lane_queries(kTileRows * heads);
     std::vector<float*> lane_scores(kTileRows * heads), lane_sums(kTileRows * heads);
-    for (int64_t it = begin; it < end; ++it) {
+    for (int64_t it = next_item++; it < item_count; it = next_item++) {
       const Item item = items[it];
       const int64_t b = item.request, length = lengths[b];
       const int64_t first_pos = length - news[b] + item.first_row;  // position of the tile's first row
