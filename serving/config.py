@@ -13,9 +13,6 @@ from vattn.paged import PAGED_KERNELS
 from vattn.sizes import KiB, MiB
 from vattn.validate import is_int, require_positive_int
 
-OFFLINE_MAX_BATCHED_TOKENS = 4096
-"""`LLM`'s default tokens per iteration, where no one waits on a stream: larger prefill batches run
-the projections nearer the matmul library's peak."""
 KV_CACHES = ("virtual", "paged")
 MODEL_DTYPES = {name: dtype for name, dtype in DTYPES.items() if dtype.is_floating_point}
 """The model's precisions (the KV cache's may also be int8)."""
@@ -41,8 +38,8 @@ class EngineConfig:
     max_context: int = 2048
     """Prompt plus output tokens of one request (capped at the model's own limit)."""
     max_batched_tokens: int = 2048
-    """Tokens one iteration computes: prefill chunks plus decodes. vLLM's CPU default for its API
-    server; `LLM` takes vLLM's CPU default for its offline class, `OFFLINE_MAX_BATCHED_TOKENS`."""
+    """Tokens one iteration computes: prefill chunks plus decodes. vLLM's CPU build's default for its
+    server: larger prefill batches run the projections nearer the matmul library's peak."""
     reserve_tokens: int = 128
     """Output tokens of every running request that admission keeps room for (serving.scheduler):
     more admits more requests at once, and risks more preemptions when they all run long."""

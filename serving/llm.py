@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from serving.beam_search import BeamSearch
 from serving.chat_template import chat_prompt_ids
-from serving.config import OFFLINE_MAX_BATCHED_TOKENS, EngineConfig
+from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.outputs import BeamSearchOutput, RequestOutput, StreamDelta
 from serving.sampling_params import BeamSearchParams, SamplingParams
@@ -20,14 +20,12 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """A model on the vattn engine. Keyword arguments are EngineConfig fields (`max_batched_tokens`
-    defaults to OFFLINE_MAX_BATCHED_TOKENS here, as vLLM's LLM class); `page_budget`, one
+    """A model on the vattn engine. Keyword arguments are EngineConfig fields; `page_budget`, one
     `vattn.PageBudget` for several LLMs, bounds their KV caches' pages together."""
 
     def __init__(
         self, model: str | None = None, dtype: str = "auto", page_budget: PageBudget | None = None, **engine: Any
     ) -> None:
-        engine.setdefault("max_batched_tokens", OFFLINE_MAX_BATCHED_TOKENS)
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine), page_budget)
         self.tokenizer = self.engine.tokenizer
 
