@@ -40,16 +40,17 @@ def sample(
     raw = torch.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None
     errors: dict[int, SamplingError] = _constrain(logits, requests, eos_token_ids)
     _penalize(logits, requests)
-    # One pass gives both each row's greedy token and whether any token is possible (a NaN
-    # anywhere makes the maximum NaN: that row is not possible either).
-    top, greedy = logits.max(dim=-1)
-    possible = (top > float("-inf")).tolist()
+    # Each row's maximum says whether any token is possible (a NaN anywhere makes it NaN: that
+    # row is not possible either), its first maximal index is its greedy token: torch's amax and
+    # numpy's argmax are vectorized, where torch's max(dim) that gives both compares one by one.
+    possible = (logits.amax(dim=-1) > float("-inf")).tolist()
+    greedy = logits.numpy().argmax(axis=1).tolist()
     for i, request in enumerate(requests):
         if not possible[i] and i not in errors:
             errors[i] = SamplingError(f"no token satisfies every constraint of the request ({_controls(request)})")
     if errors:
         logits[list(errors)] = 0.0  # a finite row, so that the batched operations below stay defined
-    tokens = _choose(logits, greedy.tolist(), requests, fallback)
+    tokens = _choose(logits, greedy, requests, fallback)
     logprobs: list[TokenLogprob | None] = [None] * len(requests)
     if raw is not None:
         top_n = max(requests[i].params.logprobs or 0 for i in wants_logprobs)

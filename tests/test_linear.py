@@ -14,7 +14,7 @@ import torch
 from serving.config import QUANTIZATIONS
 from serving.model.cpu_features import bf16_available, cpu_kernels, int8_activations_fast, vnni_available
 from serving.model.linear import DenseLinear, GroupedLinear, fused, make_linear, paired_kernels
-from serving.model.runner import RescoredHead, lm_head
+from serving.model.runner import RescoredHead, largest_indices, lm_head
 from serving.model.weights import INPUTS_PER_SCALE, GroupedWeight, PairedWeight
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
@@ -343,6 +343,27 @@ def test_projections_are_right_on_every_onednn_path(isa: str | None) -> None:
     assert facts["isa"] != "unknown" and "brg_matmul" in facts["implementations"]["float32"], facts
     if isa == "AVX2":
         assert facts["isa"] == "Intel AVX2"
+
+
+@pytest.mark.parametrize("count", [64 * 9 + 1, 64 * 9, 64 * 768])
+def test_largest_indices_finds_topks_values_through_block_maxima(count: int) -> None:
+    """The k largest of each row, as topk finds them: rows whose top values crowd one block,
+    spread over many, tie across blocks, or hold -inf and NaN (topk's largest); a row length no
+    block width divides, or too few blocks, falls back to topk itself."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(6, count, generator=generator)
+    values[1, 64:72] = 50.0 + torch.arange(8.0)  # all in one block
+    values[2, ::64] = 40.0  # one per block, tied
+    values[3, : count // 2] = float("-inf")
+    values[4, 5] = float("nan")
+    values[5] = torch.randn(count, generator=generator).round()  # many ties
+    for k in (1, 8):
+        found = largest_indices(values, k)
+        expected = values.topk(k, dim=-1).values
+        assert found.shape == (6, k) and found.dtype == torch.int64
+        got = values.gather(1, found).sort(dim=-1, descending=True).values
+        assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+        assert all(len(set(row)) == k for row in found.tolist())  # k different indices
 
 
 def test_the_bf16_class_rescores_its_lm_heads_top_logits_in_float32() -> None:
