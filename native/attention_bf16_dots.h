@@ -15,28 +15,6 @@ struct Avx512Bf16Math : Avx512Math {
 
   static const float* pairs(const c10::BFloat16* row) { return reinterpret_cast<const float*>(row); }
 
-  // One lane's scores against n keys: q . k_j * scale, the products of a 16-key block summed by
-  // the float32 body's transposing tree.
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void dots(
-      const c10::BFloat16* q, const c10::BFloat16* const* keys, int64_t n, int64_t dim, float scale, float* out) {
-    __m512 sums[kBlock];
-    for (int64_t j = 0; j < n; ++j) {
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t d = 0; d < dim; d += 32)
-        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(keys[j] + d));
-      sums[j] = sum;
-    }
-    if (n < kBlock) {
-      for (int64_t j = 0; j < n; ++j) out[j] = _mm512_reduce_add_ps(sums[j]) * scale;
-      return;
-    }
-    __m256 halves[kBlock];
-    for (int64_t j = 0; j < kBlock; ++j) halves[j] = Avx512Math::low_plus_high(sums[j]);
-    const __m256 factor = _mm256_set1_ps(scale);
-    _mm256_storeu_ps(out, _mm256_mul_ps(factor, Avx2Math::sum8(halves)));
-    _mm256_storeu_ps(out + 8, _mm256_mul_ps(factor, Avx2Math::sum8(halves + 8)));
-  }
-
   // L lanes against a block whose keys were transposed as pairs: kt[p * 16 + j] holds key j's
   // values 2p and 2p + 1, so each lane's 16 scores are one vector and a broadcast query pair.
   template <int64_t L>
@@ -64,10 +42,8 @@ struct Avx512Bf16Math : Avx512Math {
   static void dots_block(const c10::BFloat16* const* q, float* const* out, int64_t count,
                          const c10::BFloat16* const* keys, int64_t n, int64_t dim, float scale) {
     constexpr int64_t kLanes = 8;
-    if (count < kLanes) {
-      for (int64_t l = 0; l < count; ++l) dots(q[l], keys, n, dim, scale, out[l]);
-      return;
-    }
+    if (count < kLanes)
+      return by_fours(count, [&]<int64_t L>(int64_t l) { dots_few<L>(q + l, out + l, keys, n, dim, scale); });
     const float* rows[kBlock];
     for (int64_t j = 0; j < n; ++j) rows[j] = pairs(keys[j]);
     alignas(64) float kt[Avx512Math::kMaxDim / 2 * 16];
@@ -171,23 +147,79 @@ struct Avx512Bf16Math : Avx512Math {
     for (; c + 4 <= dim / 16; c += 4) accumulate_block<L, 4>(acc, p, packed, pairs_count, dim, c);
     if (dim / 16 - c == 2) accumulate_block<L, 2>(acc, p, packed, pairs_count, dim, c);  // dim % 32 == 0: 0 or 2 left
   }
+  // Lanes' probabilities for n <= 2 * kBlock keys rounded to bf16, two keys to a 32-bit pair
+  // (key 2k in the low half), as vdpbf16ps takes them.
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void round_pairs(
+      const float* const* p, int64_t lanes, int64_t n, uint32_t (*rounded)[kBlock]) {
+    for (int64_t i = 0; i < lanes; ++i)
+      for (int64_t first = 0; first < n; first += 16) {
+        const int64_t left = n - first;
+        const __mmask16 live = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded[i] + first / 2),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p[i] + first)));
+      }
+  }
+  // accumulate_block for L <= 4 lanes (a decode's query heads per kv head), too few to pay for
+  // pack_values: each pair of value rows is interleaved in registers (vpunpcklwd/vpunpckhwd),
+  // C chunks of 32 columns from column `first`. Interleaved so, a chunk's products land in
+  // columns {0-3, 8-11, 16-19, 24-27} and {4-7, 12-15, 20-23, 28-31}: the accumulators are
+  // loaded into that order and stored back out of it.
+  template <int64_t L, int64_t C>
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void accumulate_few(
+      float* const* acc, const uint32_t (*p)[kBlock], const c10::BFloat16* const* values, int64_t n, int64_t first) {
+    const __m512i low_columns = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i high_columns = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    __m512 a[L][C][2];
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t c = 0; c < C; ++c) {
+        const __m512 lo = _mm512_loadu_ps(acc[l] + first + 32 * c), hi = _mm512_loadu_ps(acc[l] + first + 32 * c + 16);
+        a[l][c][0] = _mm512_permutex2var_ps(lo, low_columns, hi);
+        a[l][c][1] = _mm512_permutex2var_ps(lo, high_columns, hi);
+      }
+    const auto* zeros = reinterpret_cast<const c10::BFloat16*>(kZeroRow);
+    for (int64_t k = 0; 2 * k < n; ++k) {
+      const c10::BFloat16* even = values[2 * k];
+      const c10::BFloat16* odd = 2 * k + 1 < n ? values[2 * k + 1] : zeros;
+      __m512bh rows[C][2];
+      for (int64_t c = 0; c < C; ++c) {
+        const __m512i x = _mm512_loadu_si512(even + first + 32 * c), y = _mm512_loadu_si512(odd + first + 32 * c);
+        rows[c][0] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+        rows[c][1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      }
+      for (int64_t l = 0; l < L; ++l) {
+        const __m512bh pk = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[l][k]));
+        for (int64_t c = 0; c < C; ++c)
+          for (int64_t h = 0; h < 2; ++h) a[l][c][h] = _mm512_dpbf16_ps(a[l][c][h], pk, rows[c][h]);
+      }
+    }
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t c = 0; c < C; ++c) {
+        _mm512_storeu_ps(acc[l] + first + 32 * c, _mm512_permutex2var_ps(a[l][c][0], first_half, a[l][c][1]));
+        _mm512_storeu_ps(acc[l] + first + 32 * c + 16, _mm512_permutex2var_ps(a[l][c][0], second_half, a[l][c][1]));
+      }
+  }
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void accumulate_lanes(
       float* const* acc, const float* const* p, int64_t count, const c10::BFloat16* const* values, int64_t n,
       int64_t dim) {
     // n <= 2 * kBlock: two blocks' values at once halve the accumulators' loads and stores.
+    if (count <= 4) {
+      uint32_t rounded[4][kBlock];
+      round_pairs(p, count, n, rounded);
+      return by_fours(count, [&]<int64_t L>(int64_t) {
+        int64_t first = 0;
+        for (; first + 64 <= dim; first += 64) accumulate_few<L, 2>(acc, rounded, values, n, first);
+        if (first < dim) accumulate_few<L, 1>(acc, rounded, values, n, first);  // dim % 32 == 0
+      });
+    }
     alignas(64) c10::BFloat16 packed[kBlock * Avx512Math::kMaxDim * 2];
     pack_values(values, n, dim, packed);
     const int64_t pairs_count = (n + 1) / 2;
     for (int64_t l = 0; l < count; l += 4) {
       const int64_t lanes = std::min<int64_t>(4, count - l);
       uint32_t rounded[4][kBlock];
-      for (int64_t i = 0; i < lanes; ++i)
-        for (int64_t first = 0; first < n; first += 16) {
-          const int64_t left = n - first;
-          const __mmask16 live = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded[i] + first / 2),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p[l + i] + first)));
-        }
+      round_pairs(p + l, lanes, n, rounded);
       switch (lanes) {
         case 4: accumulate_lanes_of<4>(acc + l, rounded, packed, pairs_count, dim); break;
         case 3: accumulate_lanes_of<3>(acc + l, rounded, packed, pairs_count, dim); break;

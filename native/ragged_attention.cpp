@@ -304,6 +304,67 @@ struct Avx512Math {
   __attribute__((target("avx512f,avx2,fma"))) static __m256 low_plus_high(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   }
+  // A transposing tree's first two levels: in each 128-bit lane i, the sums of a, b, c and d's
+  // four floats in that lane, in that order.
+  __attribute__((target("avx512f,avx2,fma"))) static __m512 sum_quad(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512d ab = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)));
+    const __m512d cd = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d)));
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)));
+  }
+  // Its last two: four sum_quad results (vectors 0-3, 4-7, 8-11, 12-15) to the 16 vectors' sums, in order.
+  __attribute__((target("avx512f,avx2,fma"))) static __m512 sum_quads(const __m512* quads) {
+    const __m512 first = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                       _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+    const __m512 second = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                        _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(first, second, 0x88), _mm512_shuffle_f32x4(first, second, 0xDD));
+  }
+  static constexpr int64_t kMaxDim = 512;  // the transposed block's buffer; larger dims go lane by lane
+  alignas(64) static constexpr float kZeroRow[kMaxDim] = {};  // a block's missing keys (zero bytes: any dtype)
+  // L <= 4 lanes' scores against a block of n <= kBlock keys, times `scale`, as a decode's few
+  // query heads per kv head need them (too few lanes to pay for transposing the block): each
+  // key's row is loaded once for all L lanes, four keys' products at a time, and a lane's 16
+  // sums come from one transposing tree (45 instructions), not one horizontal sum per key.
+  // Float rows multiply by FMA; bf16 rows (Avx512Bf16Math) by vdpbf16ps on their pairs, which
+  // is why the target names avx512bf16: float code compiled so never emits its instructions.
+  template <int64_t L, typename T>
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void dots_few(
+      const T* const* q, float* const* out, const T* const* keys, int64_t n, int64_t dim, float scale) {
+    constexpr int64_t kStep = 64 / sizeof(T);  // a vector's values
+    __m512 quads[L][4];
+    for (int64_t g = 0; g < 4; ++g) {
+      const T* rows[4];
+      for (int64_t i = 0; i < 4; ++i) rows[i] = 4 * g + i < n ? keys[4 * g + i] : reinterpret_cast<const T*>(kZeroRow);
+      __m512 sums[L][4];
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t i = 0; i < 4; ++i) sums[l][i] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += kStep)
+        for (int64_t i = 0; i < 4; ++i) {
+          const __m512 k = _mm512_loadu_ps(rows[i] + d);
+          for (int64_t l = 0; l < L; ++l) {
+            const __m512 ql = _mm512_loadu_ps(q[l] + d);
+            if constexpr (std::is_same_v<T, float>)
+              sums[l][i] = _mm512_fmadd_ps(ql, k, sums[l][i]);
+            else
+              sums[l][i] = _mm512_dpbf16_ps(sums[l][i], (__m512bh)ql, (__m512bh)k);
+          }
+        }
+      for (int64_t l = 0; l < L; ++l) quads[l][g] = sum_quad(sums[l][0], sums[l][1], sums[l][2], sums[l][3]);
+    }
+    const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const __m512 factor = _mm512_set1_ps(scale);
+    for (int64_t l = 0; l < L; ++l) _mm512_mask_storeu_ps(out[l], live, _mm512_mul_ps(factor, sum_quads(quads[l])));
+  }
+  // Up to kLanes lanes, four at a time (dots_few).
+  template <typename Few>
+  static void by_fours(int64_t count, const Few& few) {
+    for (int64_t l = 0; l < count; l += 4) switch (std::min<int64_t>(4, count - l)) {
+        case 4: few.template operator()<4>(l); break;
+        case 3: few.template operator()<3>(l); break;
+        case 2: few.template operator()<2>(l); break;
+        default: few.template operator()<1>(l); break;
+      }
+  }
   __attribute__((target("avx512f,avx2,fma"))) static void dots(const float* q, const float* const* keys, int64_t n, int64_t dim,
                                                       float* out) {
     if (n < kBlock) {
@@ -349,7 +410,6 @@ struct Avx512Math {
   // heads). Scores: the block's 16 keys transposed once (16 x 16 in registers), then each
   // lane's 16 scores are one vector, d by d, with no horizontal sums; L lanes share each load
   // of a transposed row. Values: L lanes share each load of a value row.
-  static constexpr int64_t kMaxDim = 512;  // the transposed block's buffer; larger dims go lane by lane
   __attribute__((target("avx512f,avx2,fma"))) static void transpose16(const float* const* keys, int64_t n, int64_t d,
                                                                      float* kt) {
     __m512 r[16], t[16], u[16];
@@ -402,10 +462,12 @@ struct Avx512Math {
   static void dots_lanes(const float* const* q, float* const* out, int64_t count, const float* const* keys, int64_t n,
                          int64_t dim) {
     constexpr int64_t kLanes = 8;
-    if (count < kLanes || dim > kMaxDim) {
+    if (dim > kMaxDim) {
       for (int64_t l = 0; l < count; ++l) dots(q[l], keys, n, dim, out[l]);
       return;
     }
+    if (count < kLanes)
+      return by_fours(count, [&]<int64_t L>(int64_t l) { dots_few<L>(q + l, out + l, keys, n, dim, 1.0f); });
     alignas(64) float kt[kMaxDim * 16];
     for (int64_t d = 0; d < dim; d += 16) transpose16(keys, n, d, kt + d * 16);
     const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
@@ -601,12 +663,23 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       // One block of keys' (or values') rows for kv head `kv`, as floats: the cache's own rows,
       // or (a float16 or bfloat16 cache, read at half the bytes, or an int8 one at a quarter)
       // widened into `converted`, 16 rows at a time: never a copy of the request's K/V.
+      // Past the pass's last key, the prefetch runs on into what is read next: the item's values
+      // after its keys, the next item's keys (a guess: the other thread may take it) after its values.
+      const int64_t peek = next_item.load(std::memory_order_relaxed);
+      const Item* next = peek < item_count ? &items[peek] : nullptr;
       auto block_rows = [&](const Rows& rows_of, int64_t kv, int64_t jb, int64_t n) -> const Row* const* {
         for (int64_t j = 0; j < n; ++j) sources[j] = rows_of(b, kv, key_begin + jb + j);
+        const bool keys_pass = &rows_of == &key_rows;
         const int64_t ahead = jb + kPrefetchBlocks * kBlock;
-        for (int64_t j = ahead; j < std::min(ahead + kBlock, keys); ++j) {
-          const char* row = reinterpret_cast<const char*>(rows_of(b, kv, key_begin + j));
-          for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(KT)); byte += 64) __builtin_prefetch(row + byte);
+        for (int64_t j = ahead; j < ahead + kBlock; ++j) {
+          const KT* row = j < keys        ? rows_of(b, kv, key_begin + j)
+                          : keys_pass     ? value_rows(b, kv, key_begin + j - keys)
+                          : next != nullptr && j - keys < next->key_end - next->key_begin
+                              ? key_rows(next->request, kv, next->key_begin + j - keys)
+                              : nullptr;
+          if (row == nullptr || (keys_pass && j - keys >= keys)) break;
+          for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(KT)); byte += 64)
+            __builtin_prefetch(reinterpret_cast<const char*>(row) + byte);
         }
         if constexpr (std::is_same_v<KT, Row>) {
           return sources.data();

@@ -115,6 +115,9 @@ for dim in (64, 112, 48, 40, 12):
     scales = [x.abs().amax(-1) / 127 for x in raw]
     k8, v8 = (torch.round(x / s[..., None]).to(torch.int8) for x, s in zip(raw, scales))
     check(torch.randn(56, 9, dim, generator=generator), k8, v8, lengths, news, 1e-5, scales)
+for heads in (3, 6, 12, 21):  # decodes' 1, 2, 4 and 7 query heads per kv head: the few-lane scores
+    k, v = (torch.randn(5, 300, 3, 64, generator=generator) for _ in range(2))
+    check(torch.randn(56, heads, 64, generator=generator), k, v, lengths, news, 1e-5)
 """
 )
 WIDEST = vattn_ops().attention_simd(64)
@@ -148,6 +151,10 @@ for dim in (64, 96, 48):
     q = torch.randn(101, 9, dim, generator=generator).bfloat16()
     check(q, k, v, [1, 17, 40, 300, 33, 101], [1, 1, 20, 1, 33, 45], 1e-2)
     print(ops.attention_bf16_dots(dim), end=" ")
+for dim, heads in [(d, h) for d in (64, 96) for h in (3, 6, 12, 21)]:  # 1, 2, 4, 7 query heads per kv head
+    k, v = (torch.randn(6, 300, 3, dim, generator=generator).bfloat16() for _ in range(2))
+    q = torch.randn(101, heads, dim, generator=generator).bfloat16()
+    check(q, k, v, [1, 17, 40, 300, 33, 101], [1, 1, 20, 1, 33, 45], 1e-2)
 """
 )
 
