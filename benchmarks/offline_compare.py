@@ -4,7 +4,8 @@ precision.
 
 The workload: seeded prompts of 128-512 common English words (tokenized by the model's tokenizer,
 the same ids for every system), all submitted at once, greedy, 64 new tokens each with EOS
-ignored, 2 threads. Each system runs in a process of its own, once per round, the rounds
+ignored, 2 threads, KV space as the serving comparison gives every system (measure.peers.KV_SPACE_GIB:
+vattn's kv_budget, OpenVINO's cache_size). Each system runs in a process of its own, once per round, the rounds
 alternating between systems (the machine's noise falls on all of them). Reported: output
 tokens/s per round and their mean, peak RSS, and greedy agreement with vattn fp32 (the share of
 prompts whose 64 tokens are all equal, and the mean length of the common prefix).
@@ -40,7 +41,7 @@ import matplotlib
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from measure.peers import PEERS, dist_version, missing, run_driver
+from measure.peers import KV_SPACE_GIB, PEERS, dist_version, missing, run_driver
 from measure.results import (
     REPO_ROOT,
     RESULTS_DIR,
@@ -109,7 +110,8 @@ def vattn_round(config: str, prompts: list[list[int]], max_tokens: int, model: s
 
     longest = max(map(len, prompts)) + max_tokens
     options = engine_options(config) | ({"model": model} if model else {})
-    llm = LLM(max_slots=len(prompts), max_context=longest, prefix_caching=False, **options)
+    space = KV_SPACE_GIB << 30
+    llm = LLM(max_slots=len(prompts), max_context=longest, prefix_caching=False, kv_budget=space, **options)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         llm.generate(prompts[:1], params, use_tqdm=False)
@@ -131,6 +133,7 @@ def openvino_round(system: System, prompts_file: Path, max_tokens: int, threads:
         out = Path(scratch) / "out.json"
         command = [str(OPENVINO / "bin" / "python"), str(DRIVER), str(OPENVINO / str(system.ir)), str(prompts_file)]
         command += [str(out), "--threads", str(threads), "--max-tokens", str(max_tokens)]
+        command += ["--cache-size", str(KV_SPACE_GIB)]
         command += ["--inference-precision", system.inference_precision] if system.inference_precision else []
         command += ["--kv-precision", system.kv_precision] if system.kv_precision else []
         run_driver(command)

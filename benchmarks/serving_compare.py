@@ -7,7 +7,8 @@ anything is timed. Then `--rounds` rounds: in each, every level runs on every sy
 so the systems alternate and a slow spell of the machine falls on all of them. A level is driven
 by the streaming client of benchmarks.serving_load: a fixed number of requests in flight, seeded
 prompts of 32-512 words (one token each), fresh for every level of every round but the same for every
-system, greedy, 64 output tokens with EOS ignored, on /v1/completions (every peer has it).
+system, greedy, 64 output tokens with EOS ignored, on /v1/completions (every peer has it). vattn
+and vLLM get the same KV space (measure.peers.KV_SPACE_GIB).
 
 Reported per system, level and round: output tokens/s, TTFT and TPOT p50/p99, and the peak RSS of
 the server's whole process tree (its session, polled from /proc; pages shared between processes
@@ -49,7 +50,7 @@ import openai
 from matplotlib.ticker import ScalarFormatter
 from tqdm import tqdm
 
-from measure.peers import PEERS, dist_version, missing, vllm_env
+from measure.peers import KV_SPACE_GIB, PEERS, dist_version, missing, vllm_env
 from measure.results import (
     RESULTS_DIR,
     CpuShare,
@@ -91,7 +92,8 @@ class System:
 
 
 def vattn_system(name: str, extra_args: str) -> System:
-    command = [sys.executable, "-m", "serving.server.cli", "serve", "--port", "{port}", *shlex.split(extra_args)]
+    command = [sys.executable, "-m", "serving.server.cli", "serve", "--port", "{port}"]
+    command += ["--kv-budget", f"{KV_SPACE_GIB}G", *shlex.split(extra_args)]  # the peers' KV space
     version = f"vattn {metadata.version('vattn')}, torch {metadata.version('torch')}"
     return System(f"vattn-{name}", command, version, CLASS_OF_CONFIG.get(name, name))
 

@@ -26,12 +26,17 @@ def missing(*paths: Path, target: str) -> str | None:
     return f"not installed ({', '.join(absent)} missing): run `make {target}`" if absent else None
 
 
+KV_SPACE_GIB = 2
+"""Every system's KV space in the comparisons: vLLM's VLLM_CPU_KVCACHE_SPACE, OpenVINO's
+cache_size, vattn's kv_budget. 48 x 576 tokens need 1.3 GiB in fp32, more than vattn's
+default budget (1 GiB), which would otherwise queue requests that the peers run at once."""
+
+
 def vllm_env(venv: Path) -> dict[str, str]:
-    """vLLM's CPU build's environment: offline, 2 GiB of KV space (48 x 576 tokens need 1.3 GiB
-    in fp32), both cores computing (by default one is kept for the frontend), and TCMalloc and
-    Intel's OpenMP (a dependency of vllm-cpu) preloaded, as its CPU docs say and its worker
-    warns when they are not."""
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    """vLLM's CPU build's environment: offline, KV_SPACE_GIB of KV space, both cores computing
+    (by default one is kept for the frontend), and TCMalloc and Intel's OpenMP (a dependency of
+    vllm-cpu) preloaded, as its CPU docs say and its worker warns when they are not."""
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     preload = [*sorted(venv.glob("tcmalloc/usr/lib/*/libtcmalloc_minimal.so.4")), *venv.glob("lib/libiomp5.so")]
     if preload:
         env["LD_PRELOAD"] = ":".join(map(str, preload))

@@ -5,7 +5,7 @@ precision and KV-cache precision. Prints one JSON line: seconds, output tokens, 
 the generated ids (to check greedy agreement against vattn's).
 
     .peers/openvino/bin/python benchmarks/peer_drivers/openvino_offline.py IR_DIR PROMPTS.json OUT.json \
-        --threads 2 --max-tokens 64 [--kv-precision f32] [--inference-precision f32]
+        --threads 2 --max-tokens 64 --cache-size 2 [--kv-precision f32] [--inference-precision f32]
 """
 
 import argparse
@@ -25,13 +25,14 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--cache-size", type=int, required=True, help="KV space in GB (SchedulerConfig.cache_size)")
     parser.add_argument("--kv-precision", default=None, help="KV_CACHE_PRECISION; its default when absent")
     parser.add_argument("--inference-precision", default=None, help="INFERENCE_PRECISION_HINT; default when absent")
     args = parser.parse_args()
     with open(args.prompts) as file:
         prompts = json.load(file)
     scheduler = genai.SchedulerConfig()
-    scheduler.cache_size = 2  # GB, as vLLM's KV space in benchmarks.serving_compare
+    scheduler.cache_size = args.cache_size
     scheduler.max_num_seqs = len(prompts)
     scheduler.max_num_batched_tokens = 2048
     scheduler.enable_prefix_caching = False
