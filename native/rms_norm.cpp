@@ -6,6 +6,10 @@
 //
 // Numerics follow transformers' LlamaRMSNorm: the row is normalized in float32, rounded to
 // the input dtype, then scaled by the weight.
+//
+// add_rms_norm's residual may be float32 under a 16-bit x: the model runner keeps a bfloat16
+// model's residual stream in float32 (serving.model.runner), and the norm then reads it as
+// LlamaRMSNorm reads a float32 input, writing its output in x's dtype.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,11 +22,12 @@
 
 namespace {
 
-template <typename T>
-void norm_rows(const T* src, int64_t src_stride, T* dst, const T* weight, int64_t rows, int64_t width, double eps) {
+// Rows of S normed into rows of T (S is T, or float32 under a 16-bit T).
+template <typename S, typename T>
+void norm_rows(const S* src, int64_t src_stride, T* dst, const T* weight, int64_t rows, int64_t width, double eps) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* row = src + r * src_stride;
+      const S* row = src + r * src_stride;
       float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < width; ++i) {
@@ -32,18 +37,18 @@ void norm_rows(const T* src, int64_t src_stride, T* dst, const T* weight, int64_
       const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(width) + static_cast<float>(eps));
       T* out = dst + r * width;
 #pragma omp simd
-      for (int64_t i = 0; i < width; ++i) out[i] = narrow<T>(widen(weight[i]) * widen(narrow<T>(widen(row[i]) * inverse)));
+      for (int64_t i = 0; i < width; ++i) out[i] = narrow<T>(widen(weight[i]) * widen(narrow<S>(widen(row[i]) * inverse)));
     }
   });
 }
 
-template <typename T>
-void add_rows(T* residual, const T* x, int64_t rows, int64_t width) {
+template <typename S, typename T>
+void add_rows(S* residual, const T* x, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i)
-        residual[r * width + i] = narrow<T>(widen(residual[r * width + i]) + widen(x[r * width + i]));
+        residual[r * width + i] = narrow<S>(widen(residual[r * width + i]) + widen(x[r * width + i]));
   });
 }
 
@@ -54,11 +59,18 @@ void check(const at::Tensor& x, const at::Tensor& weight) {
               "weight must be a contiguous [hidden] CPU tensor of x's dtype");
 }
 
-at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    norm_rows<scalar_t>(x.const_data_ptr<scalar_t>(), x.stride(0), out.mutable_data_ptr<scalar_t>(),
-                        weight.const_data_ptr<scalar_t>(), x.size(0), x.size(1), eps);
+// `src` normed into a new tensor of `weight`'s dtype: src's dtype, or float32 under a 16-bit one.
+at::Tensor norm(const at::Tensor& src, const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty(src.sizes(), src.options().dtype(weight.scalar_type()));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, weight.scalar_type(), "rms_norm", [&] {
+    auto rows = [&]<typename S>(const S* data) {
+      norm_rows<S, scalar_t>(data, src.stride(0), out.mutable_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(),
+                             src.size(0), src.size(1), eps);
+    };
+    if (src.scalar_type() == weight.scalar_type())
+      rows(src.const_data_ptr<scalar_t>());
+    else
+      rows(src.const_data_ptr<float>());
   });
   return out;
 }
@@ -70,11 +82,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 at::Tensor add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
   check(x, weight);
+  const bool wide = residual.scalar_type() == at::kFloat;
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && residual.sizes() == x.sizes() &&
-                  residual.scalar_type() == x.scalar_type() && residual.device().is_cpu(),
-              "x and residual must be contiguous CPU tensors of one shape and dtype");
+                  (wide || residual.scalar_type() == x.scalar_type()) && residual.device().is_cpu(),
+              "x and residual must be contiguous CPU tensors of one shape, the residual of x's dtype or float32");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
-    add_rows<scalar_t>(residual.mutable_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), x.size(0), x.size(1));
+    if (wide)
+      add_rows(residual.mutable_data_ptr<float>(), x.const_data_ptr<scalar_t>(), x.size(0), x.size(1));
+    else
+      add_rows(residual.mutable_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), x.size(0), x.size(1));
   });
   return norm(residual, weight, eps);
 }

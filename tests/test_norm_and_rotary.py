@@ -31,6 +31,19 @@ def test_add_and_norm_updates_the_residual_and_norms_the_sum(dtype: torch.dtype,
     torch.testing.assert_close(normed, module(expected_sum), rtol=tolerance, atol=tolerance)
 
 
+def test_add_and_norm_sums_a_float32_residual_under_a_bfloat16_input() -> None:
+    """A bf16 model's residual stream in float32: the sum kept exactly in float32, its norm as
+    LlamaRMSNorm norms a float32 input with the bf16 weight, written in bf16."""
+    module = LlamaRMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    torch.nn.init.normal_(module.weight)
+    x, residual = torch.randn(5, 64).bfloat16(), torch.randn(5, 64)
+    expected_sum = residual + x.float()
+    normed = Norm.of(module).add_and_norm(x, residual)
+    assert torch.equal(residual, expected_sum)
+    assert normed.dtype == torch.bfloat16
+    torch.testing.assert_close(normed, module(expected_sum).bfloat16(), rtol=0, atol=0)
+
+
 def test_norm_refuses_a_weight_of_the_wrong_width() -> None:
     with pytest.raises(RuntimeError, match="weight must be"):
         Norm(torch.ones(32), 1e-6)(torch.randn(2, 64))
