@@ -81,22 +81,39 @@ def onednn_packs(weight: Tensor) -> bool:
     )
 
 
+PAIRS_ROWS = 16
+"""The most rows a bf16 projection runs on its paired copy (vattn::bf16_pairs_linear)."""
+
+
 class DenseLinear:
     """Weights as loaded. A projection oneDNN takes (`onednn_packs`) runs on its matmul with the
     weight packed once for it in oneDNN's blocked layout (`mkldnn._linear_pointwise`, as vLLM's
     CPU build and OpenVINO do; on AMX, oneDNN's AMX kernels): torch's F.linear goes through MKL,
     which takes slower paths on non-Intel CPUs, and re-lays a bf16 weight out on every call
-    (2.3-3x slower for one row here, 1.1-1.3x for 256). Elsewhere F.linear."""
+    (2.3-3x slower for one row here, 1.1-1.3x for 256). Elsewhere F.linear.
+
+    A bf16 weight on a CPU with AVX512_BF16 is also kept as pairs for vattn::bf16_pairs_linear,
+    which runs calls of up to PAIRS_ROWS rows (decode steps of few requests): they are bound by
+    reading the weight, which it streams at 1.2-1.35x oneDNN's rate here. A second copy of the
+    weight's bytes buys it."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         self.bias = bias
         self.packed = onednn_packs(weight)
+        out, inputs = weight.shape
+        self.pairs: Tensor | None = None
+        if self.packed and weight.dtype == torch.bfloat16 and bf16_available() and out % 16 == 0 and inputs % 2 == 0:
+            self.pairs = weight.reshape(out // 16, 16, inputs // 2, 2).permute(0, 2, 1, 3).contiguous()
+            self.pairs_bias = None if bias is None else bias.float().contiguous()
+            self._pairs_linear = vattn_ops().bf16_pairs_linear
         # Packed, the weight is oneDNN's own copy (the loaded one is not kept beside it).
         self.weight = (
             torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_BATCH_HINT) if self.packed else weight.contiguous()
         )
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.pairs is not None and x.dim() == 2 and x.shape[0] <= PAIRS_ROWS and x.dtype == torch.bfloat16:
+            return self._pairs_linear(x.contiguous(), self.pairs, self.pairs_bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
