@@ -50,7 +50,7 @@ $(FAKE_CUDA): tests/fake_cuda/shim.c
 # AVX-512 bodies carry their own target attributes and are chosen at run time, so an AVX-512
 # machine compiles (and its AVX2 paths run) exactly what an AVX2-only one does. Older CPUs: native.
 OPS_ARCH := $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo x86-64-v3 || echo native)
-OPS_SOURCES := native/ragged_attention.cpp native/bf16_linear.cpp native/int8_linear.cpp native/grouped_linear.cpp native/paired_linear.cpp native/rms_norm.cpp native/rotary.cpp
+OPS_SOURCES := native/ragged_attention.cpp native/tiled_linear.cpp native/int8_linear.cpp native/grouped_linear.cpp native/paired_linear.cpp native/rms_norm.cpp native/rotary.cpp
 OPS_OBJECTS := $(patsubst native/%.cpp,build/ops/%.o,$(OPS_SOURCES))
 TORCH_DIR = $$($(PY) -c "import os, torch; print(os.path.dirname(torch.__file__))")
 

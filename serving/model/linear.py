@@ -81,8 +81,20 @@ def onednn_packs(weight: Tensor) -> bool:
     )
 
 
-PAIRS_ROWS = 16
-"""The most rows a bf16 projection runs on its paired copy (vattn::bf16_pairs_linear)."""
+TILED_ROWS = {torch.bfloat16: 16, torch.float32: 8}
+"""The most rows a projection runs on its tiled copy (vattn::tiled_linear), where it beat
+oneDNN's matmul (30 layers' weights, cold, 2 threads): bf16 1.3x at 1 row, 1.2x at 12-16;
+float32 1.2x at 1 row, 1.1x at 8, 0.95x at 16."""
+
+
+def tiles_run(weight: Tensor) -> bool:
+    """Whether vattn::tiled_linear runs this weight: float32 on AVX-512, bf16 on AVX512_BF16,
+    outputs that fill tiles of 16."""
+    if weight.dtype == torch.bfloat16:
+        fast = bf16_available()
+    else:
+        fast = weight.dtype == torch.float32 and cpu_kernels() == "avx512"
+    return fast and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0
 
 
 class DenseLinear:
@@ -92,28 +104,30 @@ class DenseLinear:
     which takes slower paths on non-Intel CPUs, and re-lays a bf16 weight out on every call
     (2.3-3x slower for one row here, 1.1-1.3x for 256). Elsewhere F.linear.
 
-    A bf16 weight on a CPU with AVX512_BF16 is also kept as pairs for vattn::bf16_pairs_linear,
-    which runs calls of up to PAIRS_ROWS rows (decode steps of few requests): they are bound by
-    reading the weight, which it streams at 1.2-1.35x oneDNN's rate here. A second copy of the
-    weight's bytes buys it."""
+    A packed weight that vattn::tiled_linear runs (`tiles_run`) is also kept in its tiles, for
+    calls of up to TILED_ROWS rows (decode steps of few requests): they are bound by reading the
+    weight, which it streams faster than oneDNN's matmul and without its ~20 us a call. A second
+    copy of the weight's bytes buys it."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         self.bias = bias
         self.packed = onednn_packs(weight)
-        out, inputs = weight.shape
-        self.pairs: Tensor | None = None
-        if self.packed and weight.dtype == torch.bfloat16 and bf16_available() and out % 16 == 0 and inputs % 2 == 0:
-            self.pairs = weight.reshape(out // 16, 16, inputs // 2, 2).permute(0, 2, 1, 3).contiguous()
-            self.pairs_bias = None if bias is None else bias.float().contiguous()
-            self._pairs_linear = vattn_ops().bf16_pairs_linear
+        self.tiles: Tensor | None = None
+        if self.packed and tiles_run(weight):
+            out, inputs = weight.shape
+            step = 2 if weight.dtype == torch.bfloat16 else 1
+            self.tiles = weight.reshape(out // 16, 16, inputs // step, step).permute(0, 2, 1, 3).contiguous()
+            self.tiles_bias = None if bias is None else bias.float().contiguous()
+            self.tiled_rows = TILED_ROWS[weight.dtype]
+            self._tiled_linear = vattn_ops().tiled_linear
         # Packed, the weight is oneDNN's own copy (the loaded one is not kept beside it).
         self.weight = (
             torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_BATCH_HINT) if self.packed else weight.contiguous()
         )
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.pairs is not None and x.dim() == 2 and x.shape[0] <= PAIRS_ROWS and x.dtype == torch.bfloat16:
-            return self._pairs_linear(x.contiguous(), self.pairs, self.pairs_bias)
+        if self.tiles is not None and x.dim() == 2 and x.shape[0] <= self.tiled_rows and x.dtype == self.tiles.dtype:
+            return self._tiled_linear(x.contiguous(), self.tiles, self.tiles_bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

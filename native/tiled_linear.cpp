@@ -1,0 +1,110 @@
+// vattn::tiled_linear: x @ weight.T (+ bias) for a few rows of activations (decode steps: 1 to
+// 16 requests), float32 or bf16, on a copy of the weight stored in tiles of 16 outputs
+// (`[out / 16, in / step, 16, step]`: for each tile, input step by input step, the tile's 16
+// outputs side by side; step 2 for bf16, whose pairs vdpbf16ps multiplies, 1 for float32).
+//
+// A few rows' product reads the whole weight once and does little with each byte: it is bound
+// by memory. oneDNN's matmul on its packed weight streams it at ~25-38 GB/s for 1-16 rows here
+// (2 threads), and each call costs it ~20 us besides. In this layout one weight vector is a
+// tile's 16 outputs for one step of inputs: one multiply-add per row and vector, no horizontal
+// sums, and each thread reads one contiguous run of tiles front to back. Products are summed
+// in float32 (bf16's exactly), as oneDNN sums them; only the order of the sums differs.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <bit>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 16;
+constexpr int64_t kMaxRows = 16;
+
+#if defined(__x86_64__)
+#define TILED __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+// Tiles [begin, end) of the output for M rows of T: acc[m] holds row m's 16 outputs of a tile.
+// `x` holds each row's steps as 32-bit words (a float, or a bf16 pair).
+template <int64_t M, typename T>
+TILED void tiles(const uint32_t* x, int64_t steps, const T* weight, const float* bias, T* out, int64_t out_row,
+                 int64_t begin, int64_t end) {
+  constexpr int64_t kVector = 64 / sizeof(T);  // a tile's values for one step
+  for (int64_t t = begin; t < end; ++t) {
+    const T* w = weight + t * steps * kVector;
+    __m512 acc[M];
+    for (int64_t m = 0; m < M; ++m) acc[m] = bias ? _mm512_loadu_ps(bias + t * kTile) : _mm512_setzero_ps();
+    for (int64_t s = 0; s < steps; ++s) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (s + 16) * kVector), _MM_HINT_T0);
+      const __m512 v = _mm512_loadu_ps(w + s * kVector);
+      for (int64_t m = 0; m < M; ++m) {
+        const uint32_t input = x[m * steps + s];  // broadcast from memory into the multiply-add
+        if constexpr (std::is_same_v<T, float>)
+          acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(std::bit_cast<float>(input)), v, acc[m]);
+        else
+          acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32(static_cast<int>(input)), (__m512bh)v);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      T* dst = out + m * out_row + t * kTile;
+      if constexpr (std::is_same_v<T, float>)
+        _mm512_storeu_ps(dst, acc[m]);
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(acc[m]));
+    }
+  }
+}
+
+template <int64_t M, typename T>
+void run(int64_t rows, const uint32_t* x, int64_t steps, const T* weight, const float* bias, T* out, int64_t out_row,
+         int64_t begin, int64_t end) {
+  if constexpr (M > 1)
+    if (rows < M) return run<M - 1, T>(rows, x, steps, weight, bias, out, out_row, begin, end);
+  tiles<M, T>(x, steps, weight, bias, out, out_row, begin, end);
+}
+#endif
+
+at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t step = bf16 ? 2 : 1;
+  TORCH_CHECK(x.device().is_cpu() && (bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous float32 or bfloat16 CPU tensor [rows, in]");
+  TORCH_CHECK(x.size(0) <= kMaxRows, "tiled_linear takes at most ", kMaxRows, " rows, got ", x.size(0));
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 4 && weight.size(2) == kTile &&
+                  weight.size(3) == step && weight.is_contiguous() && weight.size(1) * step == x.size(1),
+              "weight must be contiguous tiles [out / 16, in / ", step, ", 16, ", step, "] of x's dtype and inputs");
+  const int64_t out_features = weight.size(0) * kTile;
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == out_features && bias->is_contiguous()),
+              "bias must be float32 [out]");
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return out;
+#if defined(__x86_64__)
+  TORCH_CHECK(__builtin_cpu_supports("avx512f") && (!bf16 || __builtin_cpu_supports("avx512bf16")),
+              "tiled_linear needs AVX-512 (bfloat16: AVX512_BF16)");
+  const float* b = bias ? bias->const_data_ptr<float>() : nullptr;
+  const int64_t steps = weight.size(1), count = x.size(0);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "tiled_linear", [&] {
+    const auto* rows = reinterpret_cast<const uint32_t*>(x.const_data_ptr<scalar_t>());
+    at::parallel_for(0, weight.size(0), 1, [&](int64_t begin, int64_t end) {
+      if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>)
+        run<kMaxRows, scalar_t>(count, rows, steps, weight.const_data_ptr<scalar_t>(), b,
+                                out.mutable_data_ptr<scalar_t>(), out_features, begin, end);
+    });
+  });
+#else
+  TORCH_CHECK(false, "tiled_linear needs an x86-64 CPU with AVX-512");
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vattn, m) { m.def("tiled_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(vattn, CPU, m) { m.impl("tiled_linear", &tiled_linear); }
