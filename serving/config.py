@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.model.cpu_features import bf16_native
+from vattn.backends.host import max_map_count
 from vattn.config import DTYPES, KVCacheConfig
 from vattn.kernels import KERNELS
 from vattn.paged import PAGED_KERNELS
@@ -19,6 +20,21 @@ MODEL_DTYPES = {name: dtype for name, dtype in DTYPES.items() if dtype.is_floati
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "int8")
 QUANTIZATIONS = ("none", "bf16", "int8", "int8_weight_only", "q8_0", "gguf")
 """The projections' arithmetic (serving.model.linear.make_linear): as the weights, or one of these presets."""
+
+
+MAP_COUNT_SHARE = 0.6
+"""The most of vm.max_map_count a default host page size lets one cache's pages need."""
+
+
+def host_page_size(kv_budget: int) -> int:
+    """The host cache's default page: 64 KiB, doubled until the budget's pages, each of which
+    may take two memory mappings (its own, and the split of the reservation around it), need at
+    most MAP_COUNT_SHARE of vm.max_map_count. Under the usual limit (65,530) a 2 GiB budget gets
+    128 KiB pages, where 64 KiB ones are refused at start."""
+    page, limit = 64 * KiB, max_map_count() * MAP_COUNT_SHARE
+    while 2 * (kv_budget // page) > limit:
+        page *= 2
+    return page
 
 
 @dataclass(frozen=True)
@@ -48,8 +64,8 @@ class EngineConfig:
     kv_cache: str = "virtual"
     """`virtual` (vattn's cache) or `paged` (the block-table baseline)."""
     page_size: int | None = None
-    """The virtual cache's physical page size; None: 64 KiB on the host, 2 MiB (CUDA's
-    allocation granularity) on CUDA."""
+    """The virtual cache's physical page size; None: 2 MiB (CUDA's allocation granularity) on
+    CUDA, on the host `host_page_size(kv_budget)` (64 KiB up to a budget of about 1.2 GiB)."""
     block_size: int = 16
     """The paged cache's tokens per block."""
     prefix_caching: bool | None = None
@@ -117,7 +133,7 @@ class EngineConfig:
         if self.kv_events_endpoint is None and self.kv_events_replay_endpoint is not None:
             raise ValueError("a KV events replay endpoint needs kv_events_endpoint too")
         if self.page_size is None:
-            object.__setattr__(self, "page_size", 2 * MiB if self.backend == "cuda" else 64 * KiB)
+            object.__setattr__(self, "page_size", 2 * MiB if self.backend == "cuda" else host_page_size(self.kv_budget))
         kernels = KERNELS if self.kv_cache == "virtual" else PAGED_KERNELS
         if self.kernel != "auto" and self.kernel not in kernels:
             raise ValueError(

@@ -66,3 +66,21 @@ def test_budget_limits_the_pool_and_defaults_to_full_capacity() -> None:
 def test_bad_config_raises_value_error(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         KVCacheConfig(**{**SHAPE, "page_size": 64 * 1024, **overrides})
+
+
+def test_a_large_kv_budget_gets_host_pages_the_map_count_can_hold() -> None:
+    """EngineConfig's default host page: 64 KiB for the default budget, doubled for budgets whose
+    pages could otherwise need more memory mappings than vm.max_map_count allows (2 GiB of 64 KiB
+    pages was refused at start under the usual 65,530); a cache of that budget is then built."""
+    from serving.config import MAP_COUNT_SHARE, EngineConfig, host_page_size
+    from vattn import KVCache
+    from vattn.backends.host import max_map_count
+
+    assert EngineConfig().page_size == 64 * 1024
+    limit = MAP_COUNT_SHARE * max_map_count()
+    for budget in (1 << 30, 2 << 30, 16 << 30):
+        page = host_page_size(budget)
+        assert 2 * (budget // page) <= limit and (page == 64 * 1024 or 2 * (budget // (page // 2)) > limit)
+    page = EngineConfig(kv_budget=2 << 30).page_size
+    shape = {**SHAPE, "max_slots": 48, "max_context": 2048, "dtype": "float32"}
+    KVCache(KVCacheConfig(**shape, memory_budget=2 << 30, page_size=page)).close()

@@ -85,7 +85,10 @@ def parser() -> argparse.ArgumentParser:
         help="virtual: vattn's virtually contiguous cache; paged: the block-table baseline",
     )
     serve.add_argument(
-        "--page-size", type=size, help="physical KV page size (virtual; default 64K on the host, 2M on CUDA)"
+        "--page-size",
+        type=size,
+        help="physical KV page size (virtual; default 2M on CUDA; on the host 64K, or larger where a "
+        "--kv-budget of 64K pages would need more mappings than vm.max_map_count allows)",
     )
     serve.add_argument("--block-size", type=positive, default=defaults.block_size, help="tokens per KV block (paged)")
     serve.add_argument(
