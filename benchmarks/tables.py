@@ -208,7 +208,28 @@ def equal_quality(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def few_rows(results: dict[str, Any]) -> str:
+    """Few-row projections: vattn::tiled_linear against oneDNN, per dtype and row count (the
+    median of the rounds, and the ratio round by round: median and range)."""
+    machine = results["machine"]
+    lines = [
+        f"{machine['cpu_model']}, {machine['nproc']} cores; {results['rounds']} alternating rounds; "
+        f"commit {machine['git_commit'][:7]}; `{results['command']}`",
+        "",
+        "| dtype | rows | oneDNN ms | tiles ms | tiles' GB/s | speed ratio, median (range) | DenseLinear takes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        lines.append(
+            f"| {row['dtype']} | {row['rows']} | {row['onednn_ms']:.2f} | {row['tiles_ms']:.2f} | "
+            f"{row['tiles_weight_gb_s']:.0f} | {row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
+            f"{'tiles' if row['used'] else 'oneDNN'} |"
+        )
+    return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "few_rows": few_rows,
     "quality_bf16": quality,
     "offline_compare": offline_compare,
     "offline_compare.ratios": offline_ratios,
