@@ -81,10 +81,10 @@ def onednn_packs(weight: Tensor) -> bool:
     )
 
 
-TILED_ROWS = {torch.bfloat16: 16, torch.float32: 8}
-"""The most rows a projection runs on its tiled copy (vattn::tiled_linear), where it beat
-oneDNN's matmul (30 layers' weights, cold, 2 threads): bf16 1.3x at 1 row, 1.2x at 12-16;
-float32 1.2x at 1 row, 1.1x at 8, 0.95x at 16."""
+TILED_ROWS = {torch.bfloat16: 16, torch.float32: 12}
+"""The most rows a projection runs on its tiled copy (vattn::tiled_linear): where it beats
+oneDNN's matmul on the default model's 30 layers (benchmarks/results/few_rows.*, AMD EPYC, 2
+threads): bf16 1.2-1.4x at 1-16 rows; float32 1.1-1.2x at 1-12, level at 16."""
 
 
 def tiles_run(weight: Tensor) -> bool:
