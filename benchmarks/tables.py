@@ -225,7 +225,7 @@ def few_rows(results: dict[str, Any]) -> str:
             f"{row['tiles_weight_gb_s']:.0f} | {row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
             f"{'tiles' if row['used'] else 'oneDNN'} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
