@@ -76,12 +76,14 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& weight, const std
   TORCH_CHECK(x.device().is_cpu() && (bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous float32 or bfloat16 CPU tensor [rows, in]");
   TORCH_CHECK(x.size(0) <= kMaxRows, "tiled_linear takes at most ", kMaxRows, " rows, got ", x.size(0));
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 4 && weight.size(2) == kTile &&
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == x.scalar_type() && weight.dim() == 4 &&
+                  weight.size(2) == kTile &&
                   weight.size(3) == step && weight.is_contiguous() && weight.size(1) * step == x.size(1),
-              "weight must be contiguous tiles [out / 16, in / ", step, ", 16, ", step, "] of x's dtype and inputs");
+              "weight must be contiguous CPU tiles [out / 16, in / ", step, ", 16, ", step, "] of x's dtype and inputs");
   const int64_t out_features = weight.size(0) * kTile;
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == out_features && bias->is_contiguous()),
-              "bias must be float32 [out]");
+  TORCH_CHECK(!bias || (bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->numel() == out_features &&
+                        bias->is_contiguous()),
+              "bias must be a float32 CPU tensor [out]");
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return out;
 #if defined(__x86_64__)

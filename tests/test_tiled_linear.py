@@ -42,12 +42,12 @@ def test_tiled_refuses_what_it_cannot_run(dtype: torch.dtype) -> None:
         ops.tiled_linear(torch.randn(17, 64).to(dtype), weight, None)
     with pytest.raises(RuntimeError, match="x must be a contiguous float32 or bfloat16"):
         ops.tiled_linear(torch.randn(2, 64).half(), weight, None)
-    with pytest.raises(RuntimeError, match="weight must be contiguous tiles"):
+    with pytest.raises(RuntimeError, match="weight must be contiguous CPU tiles"):
         ops.tiled_linear(torch.randn(2, 48).to(dtype), weight, None)
-    with pytest.raises(RuntimeError, match="weight must be contiguous tiles"):
+    with pytest.raises(RuntimeError, match="weight must be contiguous CPU tiles"):
         other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
         ops.tiled_linear(torch.randn(2, 64).to(other), weight, None)
-    with pytest.raises(RuntimeError, match="bias must be float32"):
+    with pytest.raises(RuntimeError, match="bias must be a float32 CPU tensor"):
         ops.tiled_linear(torch.randn(2, 64).to(dtype), weight, torch.zeros(31))
 
 
