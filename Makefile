@@ -54,7 +54,7 @@ OPS_SOURCES := native/ragged_attention.cpp native/tiled_linear.cpp native/int8_l
 OPS_OBJECTS := $(patsubst native/%.cpp,build/ops/%.o,$(OPS_SOURCES))
 TORCH_DIR = $$($(PY) -c "import os, torch; print(os.path.dirname(torch.__file__))")
 
-build/ops/%.o: native/%.cpp native/narrow_floats.h native/attention_bf16_dots.h Makefile $(STAMP)
+build/ops/%.o: native/%.cpp native/narrow_floats.h native/attention_simd.h native/attention_bf16_dots.h Makefile $(STAMP)
 	@mkdir -p $(@D)
 	TORCH=$(TORCH_DIR); \
 	c++ -O3 -march=$(OPS_ARCH) -mtune=native -fno-math-errno -ffp-contract=off -fopenmp -std=c++20 -fPIC -Wall -Wextra -Werror \

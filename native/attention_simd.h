@@ -1,0 +1,377 @@
+// The ragged kernel's x86 bodies: AVX2 (Avx2Math) and AVX-512 (Avx512Math), each with its exp,
+// widening of 16-bit and int8 rows, scores (one lane by a transposing tree over a block's keys;
+// a few lanes at once, dots_few; many lanes over a transposed block) and value sums. Included
+// by ragged_attention.cpp inside its namespace, after kBlock and before attention_bf16_dots.h,
+// which extends Avx512Math.
+#pragma once
+
+// Cephes' expf: e^x = 2^k * e^r with |r| <= ln2/2 and a degree-5 polynomial for e^r (about
+// 1e-7 relative error); x is a score minus its row's maximum, so <= 0, and is clamped where
+// 2^k would leave float's normal range (e^-87 is 1.6e-38: nothing a softmax sum notices).
+constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+struct Avx2Math {
+  __attribute__((target("avx2,fma,f16c"))) static void widen(const c10::Half* const* rows, int64_t n, int64_t dim,
+                                                            float* dst) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + d));
+        _mm256_storeu_ps(dst + j * dim + d, _mm256_cvtph_ps(half));
+      }
+  }
+  __attribute__((target("avx2,fma"))) static void widen(const c10::BFloat16* const* rows, int64_t n, int64_t dim,
+                                                       float* dst) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + d)));
+        _mm256_storeu_ps(dst + j * dim + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+      }
+  }
+  __attribute__((target("avx2,fma"))) static void widen(const int8_t* const* rows, const float* scales, int64_t n,
+                                                       int64_t dim, float* dst) {
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 scale = _mm256_set1_ps(scales[j]);
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[j] + d)));
+        _mm256_storeu_ps(dst + j * dim + d, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(wide)));
+      }
+    }
+  }
+  // out[i] = the sum of v[i]'s eight floats, for eight vectors: one transposing tree.
+  __attribute__((target("avx2,fma"))) static __m256 sum8(const __m256* v) {
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  }
+  __attribute__((target("avx2,fma"))) static float sum(__m256 v) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+  }
+  __attribute__((target("avx2,fma"))) static __m256 exp(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2High), x);
+    x = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Low), x);
+    __m256 y = _mm256_set1_ps(kExpPoly[0]);
+    for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kExpPoly[i]));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127));
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+  }
+  __attribute__((target("avx2,fma"))) static void dots(const float* q, const float* const* keys, int64_t n, int64_t dim,
+                                                       float* out) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      __m256 sums[8];
+      for (int i = 0; i < 8; ++i) sums[i] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        for (int i = 0; i < 8; ++i) sums[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[j + i] + d), sums[i]);
+      }
+      _mm256_storeu_ps(out + j, sum8(sums));
+    }
+    for (; j < n; ++j) {
+      __m256 total = _mm256_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 8) total = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(keys[j] + d), total);
+      out[j] = sum(total);
+    }
+  }
+  __attribute__((target("avx2,fma"))) static float top(const float* s, int64_t count) {
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(s + j));
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(best), _mm256_extractf128_ps(best, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    float result = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+    for (; j < count; ++j) result = std::max(result, s[j]);
+    return result;
+  }
+  __attribute__((target("avx2,fma"))) static float exp_sum(float* s, int64_t count, float top) {
+    const __m256 shift = _mm256_set1_ps(top);
+    const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; j < count; j += 8) {
+      const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(count - j, 8))), index);
+      const __m256 e = exp(_mm256_sub_ps(_mm256_maskload_ps(s + j, live), shift));
+      _mm256_maskstore_ps(s + j, live, e);
+      total = _mm256_add_ps(total, _mm256_and_ps(e, _mm256_castsi256_ps(live)));
+    }
+    return sum(total);
+  }
+  __attribute__((target("avx2,fma"))) static void accumulate(float* acc, const float* p, const float* const* values,
+                                                             int64_t n, int64_t dim) {
+    int64_t d = 0;
+    for (; d + 32 <= dim; d += 32) {
+      __m256 a[4];
+      for (int i = 0; i < 4; ++i) a[i] = _mm256_loadu_ps(acc + d + 8 * i);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        for (int i = 0; i < 4; ++i) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(values[j] + d + 8 * i), a[i]);
+      }
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + d + 8 * i, a[i]);
+    }
+    for (; d < dim; d += 8) {
+      __m256 a = _mm256_loadu_ps(acc + d);
+      for (int64_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(values[j] + d), a);
+      _mm256_storeu_ps(acc + d, a);
+    }
+  }
+};
+
+struct Avx512Math {
+  __attribute__((target("avx512f,avx2,fma"))) static void widen(const c10::Half* const* rows, int64_t n, int64_t dim,
+                                                                float* dst) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + d));
+        _mm512_storeu_ps(dst + j * dim + d, _mm512_cvtph_ps(half));
+      }
+  }
+  __attribute__((target("avx512f,avx2,fma"))) static void widen(const c10::BFloat16* const* rows, int64_t n,
+                                                                int64_t dim, float* dst) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m256i narrow = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + d));
+        _mm512_storeu_ps(dst + j * dim + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow), 16)));
+      }
+  }
+  __attribute__((target("avx512f,avx2,fma"))) static void widen(const int8_t* const* rows, const float* scales,
+                                                                int64_t n, int64_t dim, float* dst) {
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 scale = _mm512_set1_ps(scales[j]);
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + d)));
+        _mm512_storeu_ps(dst + j * dim + d, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(wide)));
+      }
+    }
+  }
+  __attribute__((target("avx512f,avx2,fma"))) static __m512 exp(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT);
+    x = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2High), x);
+    x = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Low), x);
+    __m512 y = _mm512_set1_ps(kExpPoly[0]);
+    for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpPoly[i]));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, k);
+  }
+  __attribute__((target("avx512f,avx2,fma"))) static __m256 low_plus_high(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+  // A transposing tree's first two levels: in each 128-bit lane i, the sums of a, b, c and d's
+  // four floats in that lane, in that order.
+  __attribute__((target("avx512f,avx2,fma"))) static __m512 sum_quad(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512d ab = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)));
+    const __m512d cd = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d)));
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)));
+  }
+  // Its last two: four sum_quad results (vectors 0-3, 4-7, 8-11, 12-15) to the 16 vectors' sums, in order.
+  __attribute__((target("avx512f,avx2,fma"))) static __m512 sum_quads(const __m512* quads) {
+    const __m512 first = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                       _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+    const __m512 second = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                        _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(first, second, 0x88), _mm512_shuffle_f32x4(first, second, 0xDD));
+  }
+  static constexpr int64_t kMaxDim = 512;  // the transposed block's buffer; larger dims go lane by lane
+  alignas(64) static constexpr float kZeroRow[kMaxDim] = {};  // a block's missing keys (zero bytes: any dtype)
+  // L <= 4 lanes' scores against a block of n <= kBlock keys, times `scale`, as a decode's few
+  // query heads per kv head need them (too few lanes to pay for transposing the block): each
+  // key's row is loaded once for all L lanes, four keys' products at a time, and a lane's 16
+  // sums come from one transposing tree (45 instructions), not one horizontal sum per key.
+  // Float rows multiply by FMA; bf16 rows (Avx512Bf16Math) by vdpbf16ps on their pairs, which
+  // is why the target names avx512bf16: float code compiled so never emits its instructions.
+  template <int64_t L, typename T>
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void dots_few(
+      const T* const* q, float* const* out, const T* const* keys, int64_t n, int64_t dim, float scale) {
+    constexpr int64_t kStep = 64 / sizeof(T);  // a vector's values
+    __m512 quads[L][4];
+    for (int64_t g = 0; g < 4; ++g) {
+      const T* rows[4];
+      for (int64_t i = 0; i < 4; ++i) rows[i] = 4 * g + i < n ? keys[4 * g + i] : reinterpret_cast<const T*>(kZeroRow);
+      __m512 sums[L][4];
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t i = 0; i < 4; ++i) sums[l][i] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += kStep)
+        for (int64_t i = 0; i < 4; ++i) {
+          const __m512 k = _mm512_loadu_ps(rows[i] + d);
+          for (int64_t l = 0; l < L; ++l) {
+            const __m512 ql = _mm512_loadu_ps(q[l] + d);
+            if constexpr (std::is_same_v<T, float>)
+              sums[l][i] = _mm512_fmadd_ps(ql, k, sums[l][i]);
+            else
+              sums[l][i] = _mm512_dpbf16_ps(sums[l][i], (__m512bh)ql, (__m512bh)k);
+          }
+        }
+      for (int64_t l = 0; l < L; ++l) quads[l][g] = sum_quad(sums[l][0], sums[l][1], sums[l][2], sums[l][3]);
+    }
+    const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const __m512 factor = _mm512_set1_ps(scale);
+    for (int64_t l = 0; l < L; ++l) _mm512_mask_storeu_ps(out[l], live, _mm512_mul_ps(factor, sum_quads(quads[l])));
+  }
+  // Up to kLanes lanes, four at a time (dots_few).
+  template <typename Few>
+  static void by_fours(int64_t count, const Few& few) {
+    for (int64_t l = 0; l < count; l += 4) switch (std::min<int64_t>(4, count - l)) {
+        case 4: few.template operator()<4>(l); break;
+        case 3: few.template operator()<3>(l); break;
+        case 2: few.template operator()<2>(l); break;
+        default: few.template operator()<1>(l); break;
+      }
+  }
+  __attribute__((target("avx512f,avx2,fma"))) static void dots(const float* q, const float* const* keys, int64_t n, int64_t dim,
+                                                      float* out) {
+    if (n < kBlock) {
+      for (int64_t j = 0; j < n; ++j) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16)
+          sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(keys[j] + d), sum);
+        out[j] = _mm512_reduce_add_ps(sum);
+      }
+      return;
+    }
+    __m512 sums[kBlock];
+    for (int64_t j = 0; j < kBlock; ++j) sums[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512 qd = _mm512_loadu_ps(q + d);
+      for (int64_t j = 0; j < kBlock; ++j) sums[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(keys[j] + d), sums[j]);
+    }
+    __m256 halves[kBlock];
+    for (int64_t j = 0; j < kBlock; ++j) halves[j] = low_plus_high(sums[j]);
+    _mm256_storeu_ps(out, Avx2Math::sum8(halves));
+    _mm256_storeu_ps(out + 8, Avx2Math::sum8(halves + 8));
+  }
+  __attribute__((target("avx512f,avx2,fma"))) static float exp_sum(float* s, int64_t count, float top) {
+    const __m512 shift = _mm512_set1_ps(top);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < count; j += 16) {
+      const __mmask16 live = count - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j)) - 1);
+      const __m512 e = exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), shift));
+      _mm512_mask_storeu_ps(s + j, live, e);
+      total = _mm512_mask_add_ps(total, live, total, e);
+    }
+    return _mm512_reduce_add_ps(total);
+  }
+  __attribute__((target("avx512f,avx2,fma"))) static float top(const float* s, int64_t count) {
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < count; j += 16) {
+      const __mmask16 live = count - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - j)) - 1);
+      best = _mm512_mask_max_ps(best, live, best, _mm512_maskz_loadu_ps(live, s + j));
+    }
+    return _mm512_reduce_max_ps(best);
+  }
+  // Many lanes at once, where prefill chunks have them (a tile's rows x a kv head's query
+  // heads). Scores: the block's 16 keys transposed once (16 x 16 in registers), then each
+  // lane's 16 scores are one vector, d by d, with no horizontal sums; L lanes share each load
+  // of a transposed row. Values: L lanes share each load of a value row.
+  __attribute__((target("avx512f,avx2,fma"))) static void transpose16(const float* const* keys, int64_t n, int64_t d,
+                                                                     float* kt) {
+    __m512 r[16], t[16], u[16];
+    for (int64_t j = 0; j < 16; ++j) r[j] = j < n ? _mm512_loadu_ps(keys[j] + d) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    // u[4 q + c]: rows 4 q .. 4 q + 3 of columns c, c + 4, c + 8, c + 12 (one per 128-bit lane).
+    for (int64_t q = 0; q < 4; ++q) {
+      const __m512d lo01 = _mm512_castps_pd(t[4 * q]), hi01 = _mm512_castps_pd(t[4 * q + 1]);
+      const __m512d lo23 = _mm512_castps_pd(t[4 * q + 2]), hi23 = _mm512_castps_pd(t[4 * q + 3]);
+      u[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo01, lo23));
+      u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo01, lo23));
+      u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi01, hi23));
+      u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi01, hi23));
+    }
+    for (int64_t c = 0; c < 4; ++c) {
+      // v[h][s]: quads 2 h and 2 h + 1 of columns c + 4 s and c + 4 s + 8.
+      __m512 v[2][2];
+      for (int64_t h = 0; h < 2; ++h) {
+        v[h][0] = _mm512_shuffle_f32x4(u[8 * h + c], u[8 * h + 4 + c], 0x88);
+        v[h][1] = _mm512_shuffle_f32x4(u[8 * h + c], u[8 * h + 4 + c], 0xDD);
+      }
+      for (int64_t s = 0; s < 2; ++s) {
+        _mm512_storeu_ps(kt + (c + 4 * s) * 16, _mm512_shuffle_f32x4(v[0][s], v[1][s], 0x88));
+        _mm512_storeu_ps(kt + (c + 4 * s + 8) * 16, _mm512_shuffle_f32x4(v[0][s], v[1][s], 0xDD));
+      }
+    }
+  }
+  template <int64_t L>
+  __attribute__((target("avx512f,avx2,fma"))) static void dots_transposed(const float* const* q, float* const* out,
+                                                                         const float* kt, __mmask16 live, int64_t dim) {
+    __m512 sums[L];
+    for (int64_t l = 0; l < L; ++l) sums[l] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+      const __m512 k = _mm512_loadu_ps(kt + d * 16);
+      for (int64_t l = 0; l < L; ++l) sums[l] = _mm512_fmadd_ps(_mm512_set1_ps(q[l][d]), k, sums[l]);
+    }
+    for (int64_t l = 0; l < L; ++l) _mm512_mask_storeu_ps(out[l], live, sums[l]);
+  }
+  template <int64_t L>
+  static void dots_transposed_left(const float* const* q, float* const* out, int64_t count, const float* kt,
+                                   __mmask16 live, int64_t dim) {
+    if constexpr (L > 0) {
+      if (count == L) return dots_transposed<L>(q, out, kt, live, dim);
+      dots_transposed_left<L - 1>(q, out, count, kt, live, dim);
+    }
+  }
+  static void dots_lanes(const float* const* q, float* const* out, int64_t count, const float* const* keys, int64_t n,
+                         int64_t dim) {
+    constexpr int64_t kLanes = 8;
+    if (dim > kMaxDim) {
+      for (int64_t l = 0; l < count; ++l) dots(q[l], keys, n, dim, out[l]);
+      return;
+    }
+    if (count < kLanes)
+      return by_fours(count, [&]<int64_t L>(int64_t l) { dots_few<L>(q + l, out + l, keys, n, dim, 1.0f); });
+    alignas(64) float kt[kMaxDim * 16];
+    for (int64_t d = 0; d < dim; d += 16) transpose16(keys, n, d, kt + d * 16);
+    const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    int64_t l = 0;
+    for (; l + kLanes <= count; l += kLanes) dots_transposed<kLanes>(q + l, out + l, kt, live, dim);
+    dots_transposed_left<kLanes - 1>(q + l, out + l, count - l, kt, live, dim);
+  }
+  template <int64_t L, int64_t V>
+  __attribute__((target("avx512f,avx2,fma"))) static void accumulate_block(float* const* acc, const float* const* p,
+                                                                          const float* const* values, int64_t n,
+                                                                          int64_t d) {
+    __m512 a[L][V];
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t v = 0; v < V; ++v) a[l][v] = _mm512_loadu_ps(acc[l] + d + 16 * v);
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 row[V];
+      for (int64_t v = 0; v < V; ++v) row[v] = _mm512_loadu_ps(values[j] + d + 16 * v);
+      for (int64_t l = 0; l < L; ++l) {
+        const __m512 pj = _mm512_set1_ps(p[l][j]);
+        for (int64_t v = 0; v < V; ++v) a[l][v] = _mm512_fmadd_ps(pj, row[v], a[l][v]);
+      }
+    }
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc[l] + d + 16 * v, a[l][v]);
+  }
+  template <int64_t L>
+  static void accumulate_lanes_of(float* const* acc, const float* const* p, const float* const* values, int64_t n,
+                                  int64_t dim) {
+    int64_t d = 0;
+    for (; d + 64 <= dim; d += 64) accumulate_block<L, 4>(acc, p, values, n, d);
+    switch ((dim - d) / 16) {
+      case 3: return accumulate_block<L, 3>(acc, p, values, n, d);
+      case 2: return accumulate_block<L, 2>(acc, p, values, n, d);
+      case 1: return accumulate_block<L, 1>(acc, p, values, n, d);
+      default: return;
+    }
+  }
+  static void accumulate_lanes(float* const* acc, const float* const* p, int64_t count, const float* const* values,
+                               int64_t n, int64_t dim) {
+    int64_t l = 0;
+    for (; l + 4 <= count; l += 4) accumulate_lanes_of<4>(acc + l, p + l, values, n, dim);
+    switch (count - l) {
+      case 3: return accumulate_lanes_of<3>(acc + l, p + l, values, n, dim);
+      case 2: return accumulate_lanes_of<2>(acc + l, p + l, values, n, dim);
+      case 1: return accumulate_lanes_of<1>(acc + l, p + l, values, n, dim);
+      default: return;
+    }
+  }
+};
