@@ -89,12 +89,12 @@ threads): bf16 1.2-1.4x at 1-16 rows; float32 1.1-1.2x at 1-12, level at 16."""
 
 def tiles_run(weight: Tensor) -> bool:
     """Whether vattn::tiled_linear runs this weight: float32 on AVX-512, bf16 on AVX512_BF16,
-    outputs that fill tiles of 16."""
+    outputs that fill tiles of TILE (16, the paired weights' tile)."""
     if weight.dtype == torch.bfloat16:
         fast = bf16_available()
     else:
         fast = weight.dtype == torch.float32 and cpu_kernels() == "avx512"
-    return fast and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0
+    return fast and weight.shape[0] % TILE == 0 and weight.shape[1] % 2 == 0
 
 
 class DenseLinear:
@@ -116,7 +116,7 @@ class DenseLinear:
         if self.packed and tiles_run(weight):
             out, inputs = weight.shape
             step = 2 if weight.dtype == torch.bfloat16 else 1
-            self.tiles = weight.reshape(out // 16, 16, inputs // step, step).permute(0, 2, 1, 3).contiguous()
+            self.tiles = weight.reshape(out // TILE, TILE, inputs // step, step).permute(0, 2, 1, 3).contiguous()
             self.tiles_bias = None if bias is None else bias.float().contiguous()
             self.tiled_rows = TILED_ROWS[weight.dtype]
             self._tiled_linear = vattn_ops().tiled_linear
