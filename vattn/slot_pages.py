@@ -197,6 +197,13 @@ class SlotPages:
                 else []
             ),
         ]
+        # Page groups move whole (CacheStats counts them by their first page): wherever a page
+        # is held, it is in the same group.
+        groups = {page: tuple(group) for slot in slots for group in slot.pages for page in group}
+        groups.update((page, tuple(group)) for unit in prefix.units() for group in unit.pages for page in group)
+        held = [*(g for slot in slots for g in slot.pages), *(g for unit in prefix.units() for g in unit.pages)]
+        if any(groups[page] != tuple(group) for group in held for page in group):
+            problems.append("a page is held in two different page groups")
         for slot in slots:
             pages = [page for group in slot.pages for page in group]
             if len(pages) != len(set(pages)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vattn.config import KVCacheConfig
 from vattn.page_pool import PagePool
@@ -50,6 +50,10 @@ class MappingCounters:
     """Bytes the forks copied: each one's last partial page, in every virtual tensor."""
     prefix_copied_bytes: int = 0
     """Bytes prefix matches copied: the tokens they found inside a cached unit, in every virtual tensor."""
+
+    def copy(self) -> MappingCounters:
+        """An independent copy, its CallTotals too (copy.deepcopy took ~15 us, a third of a snapshot)."""
+        return replace(self, map=copy.copy(self.map), unmap=copy.copy(self.unmap), populate=copy.copy(self.populate))
 
     def count_needs(self, already_mapped: Iterable[bool], mapped_in_step: int) -> None:
         """Page needs of one step(): for those mapped before it, whether the background thread did it."""
@@ -105,17 +109,21 @@ class CacheStats:
     ) -> CacheStats:
         """The figures of a cache's slots, pool and prefix cache (taken under the cache lock)."""
 
-        def pages(chosen: Iterable[Slot]) -> set[int]:
-            return {page for slot in chosen for group in slot.pages for page in group}
+        def groups(chosen: Iterable[Slot]) -> set[int]:
+            """The page groups behind the slots, each by its first page: a group's pages (one per
+            virtual tensor) are mapped, shared and unmapped together, so counting groups counts
+            pages `num_buffers` times faster (a server takes this snapshot every iteration)."""
+            return {group[0] for slot in chosen for group in slot.pages}
 
-        active = pages(s for s in slots if s.active)
-        idle = pages(s for s in slots if not s.active) - active
+        active = groups(s for s in slots if s.active)
+        idle = groups(s for s in slots if not s.active) - active
+        group_bytes = config.page_group_bytes
         return cls(
             page_size=config.page_size,
             pool_pages=pool.capacity,
-            mapped_bytes=len(active | idle) * config.page_size,
-            active_bytes=len(active) * config.page_size,
-            idle_bytes=len(idle) * config.page_size,
+            mapped_bytes=len(active | idle) * group_bytes,
+            active_bytes=len(active) * group_bytes,
+            idle_bytes=len(idle) * group_bytes,
             cached_bytes=pool.num_cache_only * config.page_size,
             free_bytes=pool.num_free * config.page_size,
             used_bytes=sum(s.length for s in slots if s.active) * config.bytes_per_token * config.num_buffers,
@@ -125,7 +133,7 @@ class CacheStats:
             pages_per_slot=tuple(len(s.pages) * config.num_buffers for s in slots),
             active_slots=sum(s.active for s in slots),
             pinned_slots=sum(s.pinned() for s in slots),
-            counters=copy.deepcopy(counters),
+            counters=counters.copy(),
             background_errors=errors,
             prefix=copy.copy(prefix.counters),
         )
