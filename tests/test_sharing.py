@@ -44,7 +44,7 @@ def scale_snapshot(cache: KVCache, reqid: int, tokens: int) -> list[torch.Tensor
 
 
 def test_a_cached_prefix_is_mapped_not_copied_and_reads_the_same(make_cache: MakeCache) -> None:
-    cache = make_cache(**ODD)
+    cache = make_cache(**ODD, prefix_copy_min_tokens=1)  # the 7-token tail below is copied too
     unit = cache.config.unit_tokens
     assert (cache.config.unit_groups, unit) == (3, 64)
     prompt = list(range(100, 300))  # 200 tokens: 3 whole units
@@ -123,6 +123,28 @@ def test_a_prefix_that_ends_inside_a_unit_is_matched_to_the_token(make_cache: Ma
     after = snapshot(cache, first, 3 * unit) + scale_snapshot(cache, first, 3 * unit)
     assert all(torch.equal(a, b) for a, b in zip(after, first_kv, strict=True))
     assert cache.stats().prefix.hits == len(system)
+
+
+@pytest.mark.parametrize("shared", [15, 16])
+def test_a_partial_unit_is_copied_from_prefix_copy_min_tokens_on(make_cache: MakeCache, shared: int) -> None:
+    """Prompts of common words share their first token or two with some cached prompt, and a copy
+    maps a scratch page into every virtual tensor: under `prefix_copy_min_tokens` (16) tokens of
+    a unit are left to compute, from it on they are copied."""
+    cache = make_cache(**ODD)
+    unit = cache.config.unit_tokens
+    cached = list(range(1000, 1000 + 2 * unit))
+    first = cache.alloc_reqid()
+    write(cache, first, cached)
+    cache.cache_prefix(first, cached)
+    prompt = [*cached[: unit + shared], *range(1, 30)]
+    copied_before = cache.stats().counters.prefix_copied_bytes
+    found = cache.match_prefix(cache.alloc_reqid(), prompt)
+    copied = cache.stats().counters.prefix_copied_bytes - copied_before
+    assert cache.config.prefix_copy_min_tokens == 16
+    if shared < 16:
+        assert (found, copied) == (unit, 0)
+    else:
+        assert (found, copied) == (unit + shared, shared * cache.config.bytes_per_token * cache.config.num_buffers)
 
 
 def test_no_write_reaches_a_shared_page(make_cache: MakeCache) -> None:

@@ -123,7 +123,9 @@ class KVCache(CacheAccess):
             slot = self._active_slot(reqid)
             if slot.length or slot.shared_groups:
                 raise ValueError(f"reqid {slot.index} already holds tokens: match_prefix comes before its first step")
-            self._policy.adopt_prefix(slot, *self._prefix.match(slot, tokens, self.config.unit_tokens, salt))
+            cfg = self.config
+            found = self._prefix.match(slot, tokens, cfg.unit_tokens, salt, cfg.prefix_copy_min_tokens)
+            self._policy.adopt_prefix(slot, *found)
         self._wake_mapper()
         return slot.length
 

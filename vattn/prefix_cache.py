@@ -150,24 +150,26 @@ class PrefixCache:
             found.append(unit)
         return found
 
-    def longest_partial(self, parent: bytes, following: Sequence[int]) -> PartialMatch | None:
-        """The unit cached after `parent` whose tokens begin with the longest run of `following`."""
+    def longest_partial(self, parent: bytes, following: Sequence[int], fewest: int) -> PartialMatch | None:
+        """The unit cached after `parent` whose tokens begin with the longest run of `following`,
+        if that run is `fewest` tokens or more (and at least one)."""
         best = None
         for digest in self._children.get(parent, ()):
             unit = self._units[digest]
             common = next((i for i, (a, b) in enumerate(zip(unit.tokens, following, strict=False)) if a != b), None)
             common = min(len(unit.tokens), len(following)) if common is None else common
-            if common and (best is None or common > best.tokens):
+            if common >= max(fewest, 1) and (best is None or common > best.tokens):
                 best = PartialMatch(unit, common)
         return best
 
     def match(
-        self, slot: Slot, tokens: Sequence[int], unit: int, salt: str | None
+        self, slot: Slot, tokens: Sequence[int], unit: int, salt: str | None, fewest_partial: int
     ) -> tuple[list[CachedUnit], PartialMatch | None]:
         """The cached units of the longest prefix of a new request's `tokens` (whole units), and
-        the longest start of a cached unit that its tokens continue with after them (never its
-        last token), all refreshed; sets the slot's root (its salt's) and digests of the whole
-        units. Counts `tokens` as queries; the caller counts the hits it maps or copies."""
+        the longest start of a cached unit, `fewest_partial` tokens or more, that its tokens
+        continue with after them (never its last token), all refreshed; sets the slot's root (its
+        salt's) and digests of the whole units. Counts `tokens` as queries; the caller counts the
+        hits it maps or copies."""
         tokens = token_ids(tokens)
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ValueError(f"a cache salt is a non-empty string, got {salt!r}")
@@ -175,7 +177,7 @@ class PrefixCache:
         digests = unit_digests(tokens, (len(tokens) - 1) // unit, unit, slot.root)
         found = self.longest_prefix(digests)
         parent = digests[len(found) - 1] if found else slot.root
-        partial = self.longest_partial(parent, tokens[len(found) * unit : len(tokens) - 1])
+        partial = self.longest_partial(parent, tokens[len(found) * unit : len(tokens) - 1], fewest_partial)
         for cached in [*([partial.unit] if partial else []), *reversed(found)]:  # leaves first: evicted first
             self._units.move_to_end(cached.digest)
         self.counters.queries += len(tokens)
