@@ -39,7 +39,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-import openai
 from tqdm import tqdm
 
 from measure.results import (
@@ -51,7 +50,7 @@ from measure.results import (
     save_figure,
     write_results,
 )
-from measure.streams import Timing, one_request, summarize
+from measure.streams import Timing, http_client, one_request, summarize
 from measure.workloads import WORDS
 from serving.server.replicas import ReplicaPlan, ReplicaSet, free_port_run
 
@@ -91,8 +90,8 @@ async def drive(
 ) -> tuple[list[Timing], list[float], float]:
     """Sends the prompts, `concurrency` in flight; (completed timings, send times of failed ones,
     seconds). `on_half()` runs once half of them have completed."""
-    client = openai.AsyncOpenAI(base_url=f"{router}/v1", api_key="unused", max_retries=0, timeout=300)
-    model = (await client.models.list()).data[0].id
+    client = http_client(timeout=300)
+    model = (await client.get(f"{router}/v1/models")).json()["data"][0]["id"]
     queue = list(prompts)
     done: list[Timing] = []
     failed: list[float] = []
@@ -104,12 +103,12 @@ async def drive(
             prompt = queue.pop(0)
             sent = time.perf_counter()
             try:
-                timing = await one_request(client, model, prompt, OUTPUT_TOKENS)
+                timing = await one_request(client, router, model, prompt, OUTPUT_TOKENS)
                 if timing.tokens == OUTPUT_TOKENS:
                     done.append(timing)
                 else:
                     failed.append(sent)
-            except (openai.APIError, httpx.HTTPError):
+            except httpx.HTTPError:
                 failed.append(sent)
             bar.update()
             if len(done) + len(failed) >= len(prompts) // 2 and not half.is_set():
@@ -120,7 +119,7 @@ async def drive(
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     bar.close()
-    await client.close()
+    await client.aclose()
     return done, failed, time.perf_counter() - started
 
 

@@ -46,7 +46,6 @@ from typing import Any
 
 import httpx
 import matplotlib
-import openai
 from matplotlib.ticker import ScalarFormatter
 from tqdm import tqdm
 
@@ -63,7 +62,7 @@ from measure.results import (
     save_figure,
     write_results,
 )
-from measure.streams import Timing, one_request, summarize
+from measure.streams import Timing, http_client, one_request, summarize
 from measure.workloads import random_word_prompts
 from serving.default_model import DEFAULT_MODEL, cache_dir, default_model_dir
 from vattn.sizes import MiB
@@ -86,7 +85,6 @@ class System:
     precision: str  # its class: systems compare within one
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     model: str | None = None  # what clients send as `model`; None: the first id of /v1/models
-    endpoint: str = "/v1/completions"
     extra_body: dict[str, Any] = field(default_factory=lambda: {"ignore_eos": True})
     skip: str | None = None  # why it cannot run here
 
@@ -275,17 +273,14 @@ async def run_level(
     url: str, system: System, model: str, prompts: list[str], concurrency: int, output_tokens: int
 ) -> tuple[list[Timing], float]:
     """Sends every prompt, `concurrency` requests in flight at all times; returns timings and seconds."""
-    # A fresh connection per request: llama-server closes a connection after a streamed response, and a
-    # request sent on it meanwhile fails ("Server disconnected without sending a response").
-    http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=0))
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600, http_client=http)
+    client = http_client()
     pending = iter(prompts)  # shared by the workers: each takes the next prompt when it is free
     timings: list[Timing] = []
     bar = tqdm(total=len(prompts), desc=f"{system.name} c={concurrency}", unit="req")
 
     async def worker() -> None:
         for prompt in pending:
-            timings.append(await one_request(client, model, prompt, output_tokens, system.extra_body))
+            timings.append(await one_request(client, url, model, prompt, output_tokens, system.extra_body))
             bar.update()
 
     begun = time.perf_counter()
@@ -293,7 +288,7 @@ async def run_level(
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     finally:
         bar.close()
-        await client.close()
+        await client.aclose()
     return timings, time.perf_counter() - begun
 
 

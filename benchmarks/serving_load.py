@@ -1,6 +1,6 @@
 """Load generator for the HTTP server: Poisson arrivals at several request rates.
 
-Sends seeded prompts to `/v1/completions` with `stream: true` (the real `openai` client)
+Sends seeded prompts to `/v1/completions` with `stream: true` (read as server-sent events, measure.streams)
 and times every chunk. Reported per rate: request throughput, output tokens/s, and per
 request time to first token (TTFT), time per output token after the first (TPOT) and
 inter-token latency (ITL, the gaps between chunks), p50/p99.
@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
-import openai
 from tqdm import tqdm
 
 from measure.results import (
@@ -36,7 +35,7 @@ from measure.results import (
     save_figure,
     write_results,
 )
-from measure.streams import Timing, one_request, summarize
+from measure.streams import Timing, http_client, one_request, summarize
 from measure.workloads import random_word_prompts
 
 matplotlib.use("Agg")
@@ -46,12 +45,12 @@ import matplotlib.pyplot as plt
 async def run_rate(url: str, model: str, prompts: list[str], rate: float, args: argparse.Namespace) -> dict[str, Any]:
     """Sends every prompt, arrivals a Poisson process at `rate` per second (inf: all at once)."""
     rng = random.Random(args.seed)
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=args.api_key or "none", max_retries=0, timeout=3600)
+    client = http_client(args.api_key)
     bar = tqdm(total=len(prompts), desc=f"rate {rate}/s", unit="req")
 
     async def arrive(delay: float, prompt: str) -> Timing:
         await asyncio.sleep(delay)
-        timing = await one_request(client, model, prompt, args.output_tokens)
+        timing = await one_request(client, url, model, prompt, args.output_tokens)
         bar.update()
         return timing
 
@@ -64,7 +63,7 @@ async def run_rate(url: str, model: str, prompts: list[str], rate: float, args: 
     timings = await asyncio.gather(*(arrive(d, p) for d, p in zip(delays, prompts, strict=True)))
     elapsed = time.perf_counter() - started
     bar.close()
-    await client.close()
+    await client.aclose()
     assert all(t.tokens == args.output_tokens for t in timings), "a request came back short"
     return {"request_rate": rate, **summarize(timings, elapsed), "other_cpu_share": round(cpu.stop()["other_share"], 3)}
 
