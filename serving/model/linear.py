@@ -81,10 +81,10 @@ def onednn_packs(weight: Tensor) -> bool:
     )
 
 
-TILED_ROWS = {torch.bfloat16: 16, torch.float32: 12}
+TILED_ROWS = {torch.bfloat16: 64, torch.float32: 48}
 """The most rows a projection runs on its tiled copy (vattn::tiled_linear): where it beats
 oneDNN's matmul on the default model's 30 layers (benchmarks/results/few_rows.*, AMD EPYC, 2
-threads): bf16 1.2-1.4x at 1-16 rows; float32 1.1-1.2x at 1-12, level at 16."""
+threads): bf16 1.1-1.8x at 1-64 rows; float32 1.2-1.4x at 1-16, 1.05x at 48, level at 64."""
 
 
 def tiles_run(weight: Tensor) -> bool:
