@@ -84,7 +84,8 @@ def onednn_packs(weight: Tensor) -> bool:
 TILED_ROWS = {torch.bfloat16: 64, torch.float32: 48}
 """The most rows a projection runs on its tiled copy (vattn::tiled_linear): where it beats
 oneDNN's matmul on the default model's 30 layers (benchmarks/results/few_rows.*, AMD EPYC, 2
-threads): bf16 1.1-1.8x at 1-64 rows; float32 1.2-1.4x at 1-16, 1.05x at 48, level at 64."""
+threads, medians): bf16 1.09-1.85x at 1-64 rows; float32 1.15-1.53x at 1-24, 1.05-1.21x at 32-48,
+level at 64."""
 
 
 def tiles_run(weight: Tensor) -> bool:
