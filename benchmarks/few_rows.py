@@ -1,4 +1,4 @@
-"""Projections of a few rows, as decode steps of 1-64 requests run them: vattn::tiled_linear on
+"""Projections of a few rows, as decode steps of 1-128 requests run them: vattn::tiled_linear on
 its tiled copy of each weight against oneDNN's matmul on its packed one (what DenseLinear would
 run without the tiles), float32 and bf16.
 
@@ -9,7 +9,7 @@ as in a decode step; one pass runs the four for every layer. The two paths alter
 round (median of the rounds, ms and weight GB/s) and the ratio of oneDNN's time to the tiles'
 round by round, its median and range.
 
-    python -m benchmarks.few_rows [--rows 1,4,8,16,24,32,48,64] [--rounds 5] [--threads 2]
+    python -m benchmarks.few_rows [--rows 1,4,8,16,24,32,48,64,96,128] [--rounds 5] [--threads 2]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ LAYERS = 30
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="1,4,8,16,24,32,48,64")
+    parser.add_argument("--rows", default="1,4,8,16,24,32,48,64,96,128")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)

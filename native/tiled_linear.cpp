@@ -31,47 +31,77 @@
 namespace {
 
 constexpr int64_t kTile = 16;
-constexpr int64_t kBlockRows = 16;
+constexpr int64_t kRows = 16;      // rows of one tile at a time: 16 accumulators
+constexpr int64_t kPairRows = 12;  // rows of two tiles at a time: 24 accumulators
 constexpr int64_t kAheadBytes = 16 << 10;
 
 #if defined(__x86_64__)
 #define TILED __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-// Tile t of the output for M rows of T: acc[m] holds row m's 16 outputs of the tile.
-// `x` holds each row's steps as 32-bit words (a float, or a bf16 pair).
-template <int64_t M, typename T>
-TILED void tile(const uint32_t* x, int64_t steps, const T* weight, const float* bias, T* out, int64_t out_row,
-                int64_t t) {
+// Tiles t to t + N - 1 of the output for M rows of T: acc[n][m] holds row m's 16 outputs of
+// tile t + n. `x` holds each row's steps as 32-bit words (a float, or a bf16 pair).
+template <int64_t N, int64_t M, typename T>
+TILED void tiles(const uint32_t* x, int64_t steps, const T* weight, const float* bias, T* out, int64_t out_row,
+                 int64_t t) {
   constexpr int64_t kVector = 64 / sizeof(T);  // a tile's values for one step
   const T* w = weight + t * steps * kVector;
-  __m512 acc[M];
-  for (int64_t m = 0; m < M; ++m) acc[m] = bias ? _mm512_loadu_ps(bias + t * kTile) : _mm512_setzero_ps();
+  __m512 acc[N][M];
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m)
+      acc[n][m] = bias ? _mm512_loadu_ps(bias + (t + n) * kTile) : _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + s * kVector) + kAheadBytes, _MM_HINT_T0);
-    const __m512 v = _mm512_loadu_ps(w + s * kVector);
+    __m512 v[N];
+    for (int64_t n = 0; n < N; ++n) {
+      const T* vector = w + (n * steps + s) * kVector;
+      _mm_prefetch(reinterpret_cast<const char*>(vector) + kAheadBytes, _MM_HINT_T0);
+      v[n] = _mm512_loadu_ps(vector);
+    }
     for (int64_t m = 0; m < M; ++m) {
-      const uint32_t input = x[m * steps + s];  // broadcast from memory into the multiply-add
-      if constexpr (std::is_same_v<T, float>)
-        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(std::bit_cast<float>(input)), v, acc[m]);
-      else
-        acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32(static_cast<int>(input)), (__m512bh)v);
+      const uint32_t input = x[m * steps + s];  // broadcast from memory into the multiply-adds
+      for (int64_t n = 0; n < N; ++n) {
+        if constexpr (std::is_same_v<T, float>)
+          acc[n][m] = _mm512_fmadd_ps(_mm512_set1_ps(std::bit_cast<float>(input)), v[n], acc[n][m]);
+        else
+          acc[n][m] =
+              _mm512_dpbf16_ps(acc[n][m], (__m512bh)_mm512_set1_epi32(static_cast<int>(input)), (__m512bh)v[n]);
+      }
     }
   }
-  for (int64_t m = 0; m < M; ++m) {
-    T* dst = out + m * out_row + t * kTile;
-    if constexpr (std::is_same_v<T, float>)
-      _mm512_storeu_ps(dst, acc[m]);
-    else
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(acc[m]));
-  }
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      T* dst = out + m * out_row + (t + n) * kTile;
+      if constexpr (std::is_same_v<T, float>)
+        _mm512_storeu_ps(dst, acc[n][m]);
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(acc[n][m]));
+    }
 }
 
-template <int64_t M, typename T>
+template <int64_t N, int64_t M, typename T>
 void run(int64_t rows, const uint32_t* x, int64_t steps, const T* weight, const float* bias, T* out, int64_t out_row,
          int64_t t) {
   if constexpr (M > 1)
-    if (rows < M) return run<M - 1, T>(rows, x, steps, weight, bias, out, out_row, t);
-  tile<M, T>(x, steps, weight, bias, out, out_row, t);
+    if (rows < M) return run<N, M - 1, T>(rows, x, steps, weight, bias, out, out_row, t);
+  tiles<N, M, T>(x, steps, weight, bias, out, out_row, t);
+}
+
+// Tiles [begin, end) for `count` rows, each tile (or pair) read from memory once and from cache
+// for the rows' next blocks: one tile at a time in blocks of 16 rows; or, past 16 float32 rows,
+// where the multiply-adds rather than the stream bound it, two tiles at a time in blocks of 12
+// (two weight vectors per broadcast input; 1.1-1.2x at 32-64 rows, and no faster for bf16).
+template <typename T>
+void tile_range(int64_t count, const uint32_t* x, int64_t steps, const T* weight, const float* bias, T* out,
+                int64_t out_row, int64_t begin, int64_t end) {
+  int64_t t = begin;
+  if constexpr (std::is_same_v<T, float>)
+    if (count > kRows)
+      for (; t + 1 < end; t += 2)
+        for (int64_t r = 0; r < count; r += kPairRows)
+          run<2, kPairRows, T>(std::min(kPairRows, count - r), x + r * steps, steps, weight, bias, out + r * out_row,
+                               out_row, t);
+  for (; t < end; ++t)
+    for (int64_t r = 0; r < count; r += kRows)
+      run<1, kRows, T>(std::min(kRows, count - r), x + r * steps, steps, weight, bias, out + r * out_row, out_row, t);
 }
 #endif
 
@@ -99,11 +129,8 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& weight, const std
     const auto* rows = reinterpret_cast<const uint32_t*>(x.const_data_ptr<scalar_t>());
     at::parallel_for(0, weight.size(0), 1, [&](int64_t begin, int64_t end) {
       if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>)
-        for (int64_t t = begin; t < end; ++t)
-          for (int64_t r = 0; r < count; r += kBlockRows)
-            run<kBlockRows, scalar_t>(std::min(kBlockRows, count - r), rows + r * steps, steps,
-                                      weight.const_data_ptr<scalar_t>(), b,
-                                      out.mutable_data_ptr<scalar_t>() + r * out_features, out_features, t);
+        tile_range<scalar_t>(count, rows, steps, weight.const_data_ptr<scalar_t>(), b, out.mutable_data_ptr<scalar_t>(),
+                             out_features, begin, end);
     });
   });
 #else
