@@ -84,8 +84,8 @@ def onednn_packs(weight: Tensor) -> bool:
 TILED_ROWS = {torch.bfloat16: 64, torch.float32: 128}
 """The most rows a projection runs on its tiled copy (vattn::tiled_linear): where it beats
 oneDNN's matmul on the default model's 30 layers (benchmarks/results/few_rows.*, AMD EPYC, 2
-threads, medians): bf16 1.09-1.85x at 1-64 rows; float32 1.15-1.53x at 1-24, 1.05-1.21x at 32-48,
-level at 64."""
+threads, medians): bf16 1.11-1.54x at 1-64 rows, level at 96; float32 1.15-1.54x at 1-64,
+1.09-1.12x at 96-128."""
 
 
 def tiles_run(weight: Tensor) -> bool:
