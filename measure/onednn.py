@@ -19,18 +19,19 @@ import subprocess
 import sys
 from typing import Any
 
-SHAPE = (96, 64, 24)
-"""Outputs, inputs, rows: small, so the probe costs a fraction of a second, and more rows than
-serving.model.linear.TILED_ROWS, which run on vattn::tiled_linear, not oneDNN."""
+SHAPE = (96, 64)
+"""Outputs and inputs: small, so the probe costs a fraction of a second. Its rows are one more
+than the most serving.model.linear.TILED_ROWS gives any dtype (fewer run on
+vattn::tiled_linear, not oneDNN)."""
 
 
 def _projections() -> dict[str, Any]:
     """Runs in the child: each projection once, with its error against float64."""
     import torch
 
-    from serving.model.linear import Bf16Linear, DenseLinear
+    from serving.model.linear import TILED_ROWS, Bf16Linear, DenseLinear
 
-    out, inputs, rows = SHAPE
+    (out, inputs), rows = SHAPE, max(TILED_ROWS.values()) + 1
     generator = torch.Generator().manual_seed(0)
     weight, x = torch.randn(out, inputs, generator=generator), torch.randn(rows, inputs, generator=generator)
     reference = x.double() @ weight.double().T
