@@ -84,8 +84,8 @@ def onednn_packs(weight: Tensor) -> bool:
 TILED_ROWS = {torch.bfloat16: 64, torch.float32: 128}
 """The most rows a projection runs on its tiled copy (vattn::tiled_linear): where it beats
 oneDNN's matmul on the default model's 30 layers (benchmarks/results/few_rows.*, AMD EPYC, 2
-threads, medians): bf16 1.11-1.54x at 1-64 rows, level at 96; float32 1.15-1.54x at 1-64,
-1.09-1.12x at 96-128."""
+threads, medians): bf16 1.08-1.57x at 1-64 rows, 0.96x at 96; float32 1.17-1.61x at 1-64,
+1.10-1.14x at 96-128."""
 
 
 def tiles_run(weight: Tensor) -> bool:
