@@ -1,19 +1,19 @@
-// vattn::tiled_linear: x @ weight.T (+ bias) for a few rows of activations (decode steps of a
-// few dozen requests at most), float32 or bf16, on a copy of the weight stored in tiles of 16
-// outputs (`[out / 16, in / step, 16, step]`: for each tile, input step by input step, the
-// tile's 16 outputs side by side; step 2 for bf16, whose pairs vdpbf16ps multiplies, 1 for
+// vattn::tiled_linear: x @ weight.T (+ bias) for a few rows of activations (decode steps of up to
+// serving.model.linear.TILED_ROWS requests), float32 or bf16, on a copy of the weight stored in
+// tiles of 16 outputs (`[out / 16, in / step, 16, step]`: for each tile, input step by input step,
+// the tile's 16 outputs side by side; step 2 for bf16, whose pairs vdpbf16ps multiplies, 1 for
 // float32).
 //
-// A few rows' product reads the whole weight once and does little with each byte: it is bound
-// by memory. oneDNN's matmul on its packed weight streams it at ~25-38 GB/s for 1-16 rows here
-// (2 threads), and each call costs it ~20 us besides. In this layout one weight vector is a
-// tile's 16 outputs for one step of inputs: one multiply-add per row and vector, no horizontal
-// sums, and each thread reads one contiguous run of tiles front to back, prefetched 16 KiB
-// ahead (at 16 KiB the multiply-adds of 16 rows overlap the stream; at 1 KiB they alternated
-// with it, 1.45x slower). Rows go in blocks of 16 (the accumulators one register file holds),
-// each tile's blocks one after the other, so that the tile is read from memory once and from
-// cache for the next blocks. Products are summed in float32 (bf16's exactly), as oneDNN sums
-// them; only the order of the sums differs.
+// A few rows' product reads the whole weight once and does little with each byte: it is bound by
+// memory. oneDNN's matmul on its packed weight streams it at ~25-38 GB/s for 1-16 rows here (2
+// threads), and each call costs it ~20 us besides. In this layout one weight vector is a tile's 16
+// outputs for one step of inputs: one multiply-add per row and vector, no horizontal sums, and each
+// thread reads one contiguous run of tiles front to back, prefetched 16 KiB ahead (at 16 KiB the
+// multiply-adds of 16 rows overlap the stream; at 1 KiB they alternated with it, 1.45x slower).
+// Rows go in blocks whose accumulators fit the register file (see tile_range), each tile's blocks
+// one after the other, so that the tile is read from memory once and from cache for the next
+// blocks. Products are summed in float32 (bf16's exactly), as oneDNN sums them; only the order of
+// the sums differs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
