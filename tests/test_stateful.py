@@ -125,8 +125,17 @@ class CacheMachine(RuleBasedStateMachine):
         budget_steps=st.integers(8, 40),
         dtype=st.sampled_from(["float32", "int8"]),
         prefix_cache_share=st.sampled_from([0.0, 0.25, 1.0]),
+        prefix_cold_after=st.sampled_from([32, 0, 2]),
     )
-    def open_cache(self, layout: str, native: bool, budget_steps: int, dtype: str, prefix_cache_share: float) -> None:
+    def open_cache(
+        self,
+        layout: str,
+        native: bool,
+        budget_steps: int,
+        dtype: str,
+        prefix_cache_share: float,
+        prefix_cold_after: int,
+    ) -> None:
         config = KVCacheConfig(
             num_layers=LAYERS,
             num_kv_heads=self.kv_heads,
@@ -140,6 +149,7 @@ class CacheMachine(RuleBasedStateMachine):
             native=native,
             reclaim_watermark=0.1,
             prefix_cache_share=prefix_cache_share,
+            prefix_cold_after=prefix_cold_after,
             memory_budget=budget_steps * (2 * LAYERS if layout == "per_layer" else 2) * self.page_size,
         )
         self.config = config

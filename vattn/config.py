@@ -84,6 +84,11 @@ class KVCacheConfig:
     nothing and do not count. 1.0 keeps entries until a step needs their pages (vLLM and
     SGLang keep them until their preallocated pool is full; here that would commit the whole
     budget's physical memory to entries that may never match again)."""
+    prefix_cold_after: int = 32
+    """Prompts in a row that find nothing cached after which the prefix cache counts as cold: a
+    reused slot's entries then go where they lie (its pages stay mapped, its own) instead of
+    being moved out at an unmap and a map per page, which a cache that finds nothing does not
+    repay; the next prompt that finds something warms it again. 0: always cold."""
 
     record_events: bool = False
     """List the prefix cache's stores and evictions for `KVCache.take_events` (what a server
@@ -92,7 +97,7 @@ class KVCacheConfig:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_slots", "max_context", "page_size"):
             require_positive_int(name, getattr(self, name))
-        for name in ("lookahead_tokens", "eager_pages", "prefix_copy_min_tokens"):
+        for name in ("lookahead_tokens", "eager_pages", "prefix_copy_min_tokens", "prefix_cold_after"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")

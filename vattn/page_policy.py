@@ -171,10 +171,36 @@ class PagePolicy:
         self.prefix.counters.hits += slot.length
 
     def settle(self, slot: Slot, keep: int) -> None:
-        """A fresh slot's kept pages that it may not write go, from page group `keep` on."""
+        """A fresh slot's kept pages that it may not write go, from page group `keep` on. With a
+        cold prefix cache (`prefix_cold_after`), the entries its last request left on them go
+        instead where they can (`evict_left_units`): the pages stay mapped, its own."""
         if slot.fresh:
+            if self.prefix.misses_in_a_row >= self.config.prefix_cold_after:
+                self.evict_left_units(slot, keep)
             self.pages.drop_shared(slot, keep)
             slot.fresh = False
+
+    def evict_left_units(self, slot: Slot, keep: int) -> None:
+        """Evicts the prefix-cache entries that the slot's last request left on its page groups
+        from `keep` on, all or none: only where they are those pages' only other holders and
+        no entry cached after one of them would be left unreachable."""
+        units: dict[bytes, CachedUnit] = {}
+        owner: dict[int, CachedUnit] = {}  # page group -> the entry holding it
+        for index, digest in enumerate(slot.left_units):
+            start, unit = index * self.config.unit_groups, self.prefix.get(digest)
+            if unit is None or start + len(unit.pages) <= keep:
+                continue
+            if start < keep or slot.pages[start : start + len(unit.pages)] != unit.pages:
+                return
+            units[digest] = unit
+            owner.update((start + k, unit) for k in range(len(unit.pages)))
+        for k, group in enumerate(slot.pages[keep:], keep):
+            if any(self.pool.refs(page) != (2 if k in owner else 1) for page in group):
+                return
+        if any(child not in units for digest in units for child in self.prefix.children(digest)):
+            return
+        for unit in reversed(units.values()):
+            self.prefix.evict(unit)
 
     def unmap_idle(self) -> bool:
         """Unmaps every idle slot's pages but those of slots live views hold; whether any went."""

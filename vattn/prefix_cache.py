@@ -24,7 +24,8 @@ that hashes whole blocks could never match them.
 The cache holds one reference to each page of each entry (the pool counts them). Entries
 are evicted least recently used first; a match refreshes a prefix leaf first, so a
 parent always outlives its children and no entry is left unreachable while its parent
-could have been evicted instead.
+could have been evicted instead. The one exception is a cold cache's (`misses_in_a_row`,
+see PagePolicy.settle): a reused slot's entries go where they lie, with their children.
 """
 
 from __future__ import annotations
@@ -129,12 +130,21 @@ class PrefixCache:
         """Parent digest -> digests of the units cached after it, oldest first (a dict: ties go
         the same way every run)."""
         self.counters = PrefixCounters()
+        self.misses_in_a_row = 0
+        """Prompts matched since the last one that found anything cached (this one included)."""
 
     def __len__(self) -> int:
         return len(self._units)
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self._units
+
+    def get(self, digest: bytes) -> CachedUnit | None:
+        return self._units.get(digest)
+
+    def children(self, digest: bytes) -> list[bytes]:
+        """The digests of the entries cached after this one."""
+        return list(self._children.get(digest, ()))
 
     def units(self) -> list[CachedUnit]:
         """Every entry, least recently used first."""
@@ -181,6 +191,7 @@ class PrefixCache:
         for cached in [*([partial.unit] if partial else []), *reversed(found)]:  # leaves first: evicted first
             self._units.move_to_end(cached.digest)
         self.counters.queries += len(tokens)
+        self.misses_in_a_row = 0 if found or partial else self.misses_in_a_row + 1
         slot.digests = digests[: len(found)]
         return found, partial
 
@@ -224,7 +235,9 @@ class PrefixCache:
         first = len(slot.digests) * groups
         parent = slot.digests[-1] if slot.digests else slot.root
         pages = slot.pages[first : first + tail_groups]
-        self.insert(chain_digest(parent, slot.tail), pages, parent, slot.tail, whole=False)
+        digest = chain_digest(parent, slot.tail)
+        self.insert(digest, pages, parent, slot.tail, whole=False)
+        slot.digests.append(digest)
 
     def insert(
         self, digest: bytes, pages: list[list[int]], parent: bytes, tokens: Sequence[int], whole: bool = True

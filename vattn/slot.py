@@ -43,7 +43,11 @@ class Slot:
     """Leading page groups that other slots or the prefix cache may also map: this request
     never writes them again (its length cannot go back below them)."""
     digests: list[bytes] = field(default_factory=list)
-    """Prefix-cache keys of this request's first units (vattn.prefix_cache), in order."""
+    """Prefix-cache keys of this request's first units (vattn.prefix_cache), in order; once it
+    ends, its partial tail's after them."""
+    left_units: list[bytes] = field(default_factory=list)
+    """The keys `digests` held when its last request ended: the prefix-cache entries that may
+    still hold the pages it keeps mapped (PagePolicy.settle)."""
     root: bytes = b""
     """The key its first unit's digest chains from (its cache salt's, vattn.prefix_cache)."""
     tail: list[int] = field(default_factory=list)
@@ -65,7 +69,7 @@ class Slot:
         """Its request ended: no tokens, nothing shared or cached by it; its pages stay mapped
         (deferred reclamation), now for its next request."""
         self.active, self.length, self.fresh, self.shared_groups = False, 0, False, 0
-        self.digests, self.root, self.tail = [], b"", []
+        self.left_units, self.digests, self.root, self.tail = self.digests, [], b"", []
         self.origins = [Origin.REUSED] * len(self.pages)
 
     def adopt(self, parent: Slot, shared_groups: int) -> None:
