@@ -44,20 +44,22 @@ $(FAKE_CUDA): tests/fake_cuda/shim.c
 # vattn's CPU torch operators, built against the venv's torch for this machine's CPU. Never
 # -ffast-math: linking it sets flush-to-zero for the whole process when the library loads.
 # No FMA contraction either, so the rotary embedding rounds exactly as transformers' does
-# (it cost nothing measurable in the attention kernel).
+# (it cost nothing measurable in the attention kernel). No trapping math: nothing reads the
+# floating-point exception flags, and GCC turns a loop's float selects into blends only then
+# (silu_and_mul's exp).
 # Each source compiles on its own (~15 s each against torch's headers), two at a time in setup.
 # One build for both CPU kinds: the baseline is AVX2 (x86-64-v3) wherever the CPU has it, and the
 # AVX-512 bodies carry their own target attributes and are chosen at run time, so an AVX-512
 # machine compiles (and its AVX2 paths run) exactly what an AVX2-only one does. Older CPUs: native.
 OPS_ARCH := $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo x86-64-v3 || echo native)
-OPS_SOURCES := native/ragged_attention.cpp native/tiled_linear.cpp native/int8_linear.cpp native/grouped_linear.cpp native/paired_linear.cpp native/rms_norm.cpp native/rotary.cpp
+OPS_SOURCES := native/ragged_attention.cpp native/tiled_linear.cpp native/int8_linear.cpp native/grouped_linear.cpp native/paired_linear.cpp native/rms_norm.cpp native/rotary.cpp native/silu_and_mul.cpp
 OPS_OBJECTS := $(patsubst native/%.cpp,build/ops/%.o,$(OPS_SOURCES))
 TORCH_DIR = $$($(PY) -c "import os, torch; print(os.path.dirname(torch.__file__))")
 
-build/ops/%.o: native/%.cpp native/narrow_floats.h native/attention_simd.h native/attention_bf16_dots.h Makefile $(STAMP)
+build/ops/%.o: native/%.cpp native/narrow_floats.h native/fast_exp.h native/widest_simd.h native/attention_simd.h native/attention_bf16_dots.h Makefile $(STAMP)
 	@mkdir -p $(@D)
 	TORCH=$(TORCH_DIR); \
-	c++ -O3 -march=$(OPS_ARCH) -mtune=native -fno-math-errno -ffp-contract=off -fopenmp -std=c++20 -fPIC -Wall -Wextra -Werror \
+	c++ -O3 -march=$(OPS_ARCH) -mtune=native -fno-math-errno -fno-trapping-math -ffp-contract=off -fopenmp -std=c++20 -fPIC -Wall -Wextra -Werror \
 		-D_GLIBCXX_USE_CXX11_ABI=$$($(PY) -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))") \
 		-isystem $$TORCH/include -isystem $$TORCH/include/torch/csrc/api/include -c -o $@ $<
 

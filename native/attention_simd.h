@@ -5,12 +5,9 @@
 // which extends Avx512Math.
 #pragma once
 
-// Cephes' expf: e^x = 2^k * e^r with |r| <= ln2/2 and a degree-5 polynomial for e^r (about
-// 1e-7 relative error); x is a score minus its row's maximum, so <= 0, and is clamped where
-// 2^k would leave float's normal range (e^-87 is 1.6e-38: nothing a softmax sum notices).
-constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
-constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+// exp is Cephes' expf (fast_exp.h); x is a score minus its row's maximum, so <= 0, and is
+// clamped where 2^k would leave float's normal range (e^-87 is 1.6e-38: nothing a softmax
+// sum notices).
 
 struct Avx2Math {
   __attribute__((target("avx2,fma,f16c"))) static void widen(const c10::Half* const* rows, int64_t n, int64_t dim,

@@ -33,7 +33,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "fast_exp.h"
 #include "narrow_floats.h"
+#include "widest_simd.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -439,22 +441,11 @@ void by_dtype(at::ScalarType qt, at::ScalarType kt, const F& f) {
   }
 }
 
-// The widest body this CPU allows for this head_dim, capped as torch caps its own kernels
-// by ATEN_CPU_CAPABILITY (`avx2` or `default`): torch does not export its own choice.
+// The widest body this CPU allows (widest_simd.h) that this head_dim fits.
 std::string simd_for(int64_t head_dim) {
-#if defined(__x86_64__)
-  static const std::string widest = [] {
-    const char* asked = std::getenv("ATEN_CPU_CAPABILITY");
-    const std::string cap = asked ? asked : "";
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-    if (cap == "default" || !avx2) return std::string("scalar");
-    return std::string(avx512 && cap != "avx2" ? "avx512" : "avx2");
-  }();
+  const std::string& widest = widest_simd();
   if (widest == "avx512" && head_dim % 16 == 0) return widest;
   if (widest != "scalar" && head_dim % 8 == 0) return "avx2";
-#endif
   return "scalar";
 }
 

@@ -1,13 +1,17 @@
-"""The model runner's CPU operators for RMSNorm (with the residual add fused in) and the
-rotary embedding, against transformers' own modules."""
+"""The model runner's CPU operators for RMSNorm (with the residual add fused in), the rotary
+embedding and the gated MLP's activation, against transformers' and torch's own."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from serving.model.runner import Norm, rotate
+from serving.model.runner import GatedActivation, Norm, rotate
 
 DTYPES = [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)]
 
@@ -65,3 +69,37 @@ def test_rotate_matches_apply_rotary_pos_emb_on_split_views(dtype: torch.dtype) 
     torch.testing.assert_close(got_q, expected_q, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(got_k, expected_k, rtol=tolerance, atol=tolerance)
     assert torch.equal(v, untouched_v)
+
+
+SILU_CHECK = """
+import torch
+from serving.model.runner import GatedActivation
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for rows, width in ((1, 8), (7, 1536), (3, 13)):  # widths that end mid-vector too
+        x = (torch.randn(rows, 2 * width + 6) * 6).to(dtype)[:, : 2 * width]  # rows strided
+        x[0, :6] = torch.tensor([-100.0, 100.0, float("nan"), float("inf"), -float("inf"), 0.0])[: min(6, width)]
+        gate, up = x.chunk(2, dim=-1)
+        expected = torch.nn.functional.silu(gate) * up
+        got = GatedActivation("silu")(x)
+        exact = dtype != torch.float32  # rounded to 16 bits: torch's to the bit
+        torch.testing.assert_close(got, expected, rtol=0 if exact else 1e-6, atol=0, equal_nan=True)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("capability", ["", "avx2"])
+def test_silu_and_mul_matches_torchs_two_operators(capability: str) -> None:
+    """SiLU(gate) * up in one pass (each SIMD body, chosen as torch chooses its own): a 16-bit
+    result equal to torch's silu then mul to the bit, float32 within 1e-6 (another exp), and
+    infinities and NaN as torch gives them."""
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env |= {"ATEN_CPU_CAPABILITY": capability} if capability else {}
+    result = subprocess.run([sys.executable, "-c", SILU_CHECK], env=env, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.split() == ["ok"], result.stderr
+
+
+def test_a_non_silu_activation_runs_as_torch_operators() -> None:
+    x = torch.randn(4, 16)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(GatedActivation("gelu")(x), torch.nn.functional.gelu(gate) * up)

@@ -1,6 +1,6 @@
 """vattn's torch operators on the CPU (native/*.cpp, built by `make native`): ragged
-attention, the int8 and grouped (weight-only) linears, RMSNorm and the rotary embedding. Loaded into torch.ops.vattn
-on first use."""
+attention, the int8 and grouped (weight-only) linears, RMSNorm, the rotary embedding and
+SiLU-and-mul. Loaded into torch.ops.vattn on first use."""
 
 from __future__ import annotations
 

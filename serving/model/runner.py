@@ -67,6 +67,21 @@ class Norm:
         return F.rms_norm(residual, self.weight.shape, self.weight, self.eps)
 
 
+class GatedActivation:
+    """A gated MLP's activation of its fused gate/up output `[tokens, 2 x width]`: act(gate) * up.
+    SiLU on the CPU runs as vattn's one-pass operator (torch's is two, with a temporary)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.act = ACT2FN[name]
+
+    def __call__(self, gate_up: Tensor) -> Tensor:
+        if self.name == "silu" and gate_up.is_cpu:
+            return vattn_ops().silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
+
+
 def rotate(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """Rotary embedding of q and k `[tokens, heads, head_dim]`; in place on the CPU."""
     if q.is_cpu:
@@ -191,7 +206,7 @@ class ModelRunner:
         """Tensor parallelism: the output and down projections' partial sums, summed over the ranks."""
         self._body = body = model.model
         self._layers = decoder_layers(model, quantization)
-        self._activation = ACT2FN[model.config.hidden_act]
+        self._activation = GatedActivation(model.config.hidden_act)
         self._final_norm = Norm.of(body.norm)
         self._lm_head = lm_head(model.lm_head, quantization)
         self._embed = body.embed_tokens
@@ -229,8 +244,7 @@ class ModelRunner:
             attended = self._attend(index, batch, q, k, v)
             attention_out = self._reduce(layer.o(attended.reshape(tokens, -1)))
             normed = layer.post_attention_norm.add_and_norm(attention_out, residual)
-            gate, up = layer.gate_up(normed).chunk(2, dim=-1)
-            mlp_out = self._reduce(layer.down(self._activation(gate) * up))
+            mlp_out = self._reduce(layer.down(self._activation(layer.gate_up(normed))))
             following = self._layers[index + 1].input_norm if index + 1 < len(self._layers) else self._final_norm
             normed = following.add_and_norm(mlp_out, residual)
         return normed
