@@ -185,7 +185,7 @@ class PagePolicy:
         from `keep` on, all or none: only where they are those pages' only other holders and
         no entry cached after one of them would be left unreachable."""
         units: dict[bytes, CachedUnit] = {}
-        owner: dict[int, CachedUnit] = {}  # page group -> the entry holding it
+        held: set[int] = set()  # the page groups they hold
         for index, digest in enumerate(slot.left_units):
             start, unit = index * self.config.unit_groups, self.prefix.get(digest)
             if unit is None or start + len(unit.pages) <= keep:
@@ -193,9 +193,9 @@ class PagePolicy:
             if start < keep or slot.pages[start : start + len(unit.pages)] != unit.pages:
                 return
             units[digest] = unit
-            owner.update((start + k, unit) for k in range(len(unit.pages)))
+            held.update(range(start, start + len(unit.pages)))
         for k, group in enumerate(slot.pages[keep:], keep):
-            if any(self.pool.refs(page) != (2 if k in owner else 1) for page in group):
+            if any(self.pool.refs(page) != (2 if k in held else 1) for page in group):
                 return
         if any(child not in units for digest in units for child in self.prefix.children(digest)):
             return
