@@ -436,3 +436,19 @@ def test_a_cold_cache_keeps_entries_that_others_build_on(make_cache: MakeCache) 
     assert cache.prefix_digests() == digests and cache.stats().prefix.evictions == evictions
     assert cache.match_prefix(cache.alloc_reqid(), [*prompt, *more, 9]) == 2 * unit
     cache.check_invariants()
+
+
+def test_a_prompt_that_would_have_found_an_entry_evicted_in_place_warms_the_cache(make_cache: MakeCache) -> None:
+    """Many chats whose first turns share nothing: once the cache is cold, a returning chat
+    finds its history gone, but its prompt names a ghost of what went, so the cache warms
+    again and the slot it reuses keeps another chat's history (no chat keeps it cold)."""
+    cache = make_cache(**ODD, max_slots=4, background=False, prefix_cache_share=1.0)
+    chats = [list(range(1000 * k, 1000 * k + 40)) for k in range(1, COLD_AFTER + 2)]  # first turns, inside a unit
+    for chat in chats:
+        run_and_cache(cache, chat)
+    assert cache.stats().prefix.evictions == 2  # the 32nd and 33rd reused the slot cold
+    unmapped = cache.stats().counters.unmap.pages
+    assert run_and_cache(cache, [*chats[-3], 7, 8])[1] == 0  # its history went, but it would have hit
+    assert cache.stats().counters.unmap.pages > unmapped  # warm: the last chat's history moved out, kept
+    assert cache.match_prefix(cache.alloc_reqid(), [*chats[-1], 9]) == len(chats[-1])
+    cache.check_invariants()

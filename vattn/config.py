@@ -88,7 +88,8 @@ class KVCacheConfig:
     """Prompts in a row that find nothing cached after which the prefix cache counts as cold: a
     reused slot's entries then go where they lie (its pages stay mapped, its own) instead of
     being moved out at an unmap and a map per page, which a cache that finds nothing does not
-    repay; the next prompt that finds something warms it again. 0: always cold."""
+    repay; the next prompt that finds something, or would have found an entry so evicted,
+    warms it again. 0: always cold."""
 
     record_events: bool = False
     """List the prefix cache's stores and evictions for `KVCache.take_events` (what a server

@@ -200,7 +200,7 @@ class PagePolicy:
         if any(child not in units for digest in units for child in self.prefix.children(digest)):
             return
         for unit in reversed(units.values()):
-            self.prefix.evict(unit)
+            self.prefix.evict_in_place(unit, self.config.prefix_copy_min_tokens)
 
     def unmap_idle(self) -> bool:
         """Unmaps every idle slot's pages but those of slots live views hold; whether any went."""

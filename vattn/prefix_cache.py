@@ -43,6 +43,11 @@ from vattn.validate import is_int
 ROOT = b""
 """The digest before the first unit."""
 
+GHOSTS = 4096
+"""Keys of entries a cold cache evicted in place that it remembers (no pages): a prompt that would
+have found one warms it again (`PrefixCache.match`), so that chats whose histories went while
+it was cold do not keep it cold."""
+
 
 def salted_root(salt: str | None) -> bytes:
     """The digest before the first unit of a request with `salt` (vLLM's `cache_salt`): requests
@@ -131,7 +136,10 @@ class PrefixCache:
         the same way every run)."""
         self.counters = PrefixCounters()
         self.misses_in_a_row = 0
-        """Prompts matched since the last one that found anything cached (this one included)."""
+        """Prompts matched since the last one that found anything cached, or would have but for
+        an eviction in place (this one included)."""
+        self._ghosts: OrderedDict[bytes, None] = OrderedDict()
+        """Keys of the entries evicted in place (`ghost_keys`), oldest first, GHOSTS at most."""
 
     def __len__(self) -> int:
         return len(self._units)
@@ -191,7 +199,9 @@ class PrefixCache:
         for cached in [*([partial.unit] if partial else []), *reversed(found)]:  # leaves first: evicted first
             self._units.move_to_end(cached.digest)
         self.counters.queries += len(tokens)
-        self.misses_in_a_row = 0 if found or partial else self.misses_in_a_row + 1
+        following = tokens[len(found) * unit : len(tokens) - 1]
+        lost = not (found or partial) and self._ghosted(digests[len(found) :], parent, following, fewest_partial)
+        self.misses_in_a_row = 0 if found or partial or lost else self.misses_in_a_row + 1
         slot.digests = digests[: len(found)]
         return found, partial
 
@@ -258,6 +268,26 @@ class PrefixCache:
         if self._events is not None and unit.whole:
             self._events.append(UnitsRemoved((unit.digest,)))
 
+    def evict_in_place(self, unit: CachedUnit, fewest_partial: int) -> None:
+        """Evicts an entry whose pages the slot that mapped them keeps as its own, remembering its
+        keys as a ghost (`ghost_keys`)."""
+        self.evict(unit)
+        for key in ghost_keys(unit, fewest_partial):
+            self._ghosts[key] = None
+            self._ghosts.move_to_end(key)
+        while len(self._ghosts) > GHOSTS:
+            self._ghosts.popitem(last=False)
+
+    def _ghosted(self, digests: Sequence[bytes], parent: bytes, following: Sequence[int], fewest: int) -> bool:
+        """Whether a prompt would have found an entry evicted in place: one of its whole units
+        (`digests`, after `parent`), or the first `fewest` tokens of a unit after `parent`."""
+        if not self._ghosts:
+            return False
+        start = max(fewest, 1)
+        if len(following) >= start and chain_digest(parent, following[:start]) in self._ghosts:
+            return True
+        return any(digest in self._ghosts for digest in digests)
+
     def clear(self) -> None:
         for unit in self.units():
             self._drop(unit)
@@ -289,6 +319,16 @@ class PrefixCache:
             tokens = tuple(token for _, unit_tokens in stored for token in unit_tokens)
             self._events.append(UnitsStored(tuple(digest for digest, _ in stored), parent, tokens, unit))
         stored.clear()
+
+
+def ghost_keys(unit: CachedUnit, fewest_partial: int) -> list[bytes]:
+    """What a prompt that would have found `unit` computes: its digest (a whole unit), and the
+    digest of its first `fewest_partial` tokens after its parent (the least a match copies)."""
+    start = max(fewest_partial, 1)
+    keys = [unit.digest] if unit.whole else []
+    if len(unit.tokens) >= start:
+        keys.append(chain_digest(unit.parent, unit.tokens[:start]))
+    return keys
 
 
 def token_ids(tokens: Sequence[int]) -> list[int]:
