@@ -82,7 +82,7 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         gate, up = x.chunk(2, dim=-1)
         expected = torch.nn.functional.silu(gate) * up
         got = GatedActivation("silu")(x)
-        exact = dtype != torch.float32  # rounded to 16 bits: torch's to the bit
+        exact = dtype != torch.float32  # rounded to 16 bits: torch's to the bit (float16: torch's ops)
         torch.testing.assert_close(got, expected, rtol=0 if exact else 1e-6, atol=0, equal_nan=True)
 print("ok")
 """

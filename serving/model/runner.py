@@ -69,14 +69,15 @@ class Norm:
 
 class GatedActivation:
     """A gated MLP's activation of its fused gate/up output `[tokens, 2 x width]`: act(gate) * up.
-    SiLU on the CPU runs as vattn's one-pass operator (torch's is two, with a temporary)."""
+    SiLU on the CPU in float32 or bfloat16 runs as vattn's one-pass operator (torch's is two,
+    with a temporary)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.act = ACT2FN[name]
 
     def __call__(self, gate_up: Tensor) -> Tensor:
-        if self.name == "silu" and gate_up.is_cpu:
+        if self.name == "silu" and gate_up.is_cpu and gate_up.dtype in (torch.float32, torch.bfloat16):
             return vattn_ops().silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act(gate) * up
