@@ -7,9 +7,46 @@ precision, and every results file (measure.results) records it.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
+
+ONEDNN_ISAS = (
+    "SSE41",
+    "AVX",
+    "AVX2",
+    "AVX2_VNNI",
+    "AVX2_VNNI_2",
+    "AVX512_CORE",
+    "AVX512_CORE_VNNI",
+    "AVX512_CORE_BF16",
+    "AVX10_1_512",
+    "AVX10_1_512_AMX",
+    "AVX10_1_512_AMX_FP16",
+)
+"""`ONEDNN_MAX_CPU_ISA`'s values, narrowest first (oneDNN's own order; DEFAULT or ALL: no cap)."""
+ONEDNN_ALIASES = {
+    "AVX512_CORE_FP16": "AVX10_1_512",
+    "AVX512_CORE_AMX": "AVX10_1_512_AMX",
+    "AVX512_CORE_AMX_FP16": "AVX10_1_512_AMX_FP16",
+}
+FLAG_ISA = {"avx": "AVX", "avx2": "AVX2", "fma": "AVX2", "avx_vnni": "AVX2_VNNI", "avx512_vnni": "AVX512_CORE_VNNI"}
+FLAG_ISA |= {"avx512_bf16": "AVX512_CORE_BF16", "avx512_fp16": "AVX10_1_512", "amx_fp16": "AVX10_1_512_AMX_FP16"}
+
+
+def flag_isa(flag: str) -> str | None:
+    """The narrowest oneDNN ISA that uses `flag` (None: a flag oneDNN's cap does not hide)."""
+    if flag in FLAG_ISA:
+        return FLAG_ISA[flag]
+    return "AVX512_CORE" if flag.startswith("avx512") else "AVX10_1_512_AMX" if flag.startswith("amx") else None
+
+
+def onednn_cap() -> int | None:
+    """`ONEDNN_MAX_CPU_ISA` as a place in ONEDNN_ISAS, or None where it caps nothing."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    cap = ONEDNN_ALIASES.get(cap, cap)
+    return ONEDNN_ISAS.index(cap) if cap in ONEDNN_ISAS else None
 
 
 @functools.cache
@@ -24,26 +61,37 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(flags)
 
 
+@functools.cache
+def usable_flags() -> frozenset[str]:
+    """cpu_flags() less those above `ONEDNN_MAX_CPU_ISA`: a process capped below AMX or VNNI
+    chooses its kernels as such a CPU would (how the lower paths are checked on a CPU that has
+    more)."""
+    cap = onednn_cap()
+    if cap is None:
+        return cpu_flags()
+    return frozenset(f for f in cpu_flags() if (isa := flag_isa(f)) is None or ONEDNN_ISAS.index(isa) <= cap)
+
+
 def int8_activations_fast() -> bool:
     """Whether torch's `_int_mm` (the `int8` preset) is fast here: AVX-512 VNNI or AMX."""
-    return cpu_kernels() == "avx512" and bool(cpu_flags() & {"avx512_vnni", "amx_int8"})
+    return cpu_kernels() == "avx512" and bool(usable_flags() & {"avx512_vnni", "amx_int8"})
 
 
 def vnni_available() -> bool:
     """Whether AVX-512 VNNI bodies run here (the CPU has VNNI, torch at its AVX-512 capability)."""
-    return cpu_kernels() == "avx512" and "avx512_vnni" in cpu_flags()
+    return cpu_kernels() == "avx512" and "avx512_vnni" in usable_flags()
 
 
 def bf16_available() -> bool:
     """Whether bfloat16 GEMMs are fast here (AVX512_BF16 with torch at its AVX-512 capability)."""
-    return cpu_kernels() == "avx512" and "avx512_bf16" in cpu_flags()
+    return cpu_kernels() == "avx512" and "avx512_bf16" in usable_flags()
 
 
 def bf16_native() -> bool:
     """Whether this CPU multiplies bfloat16 natively for oneDNN's packed projections (AVX512_BF16
     or AMX, with torch at its AVX-512 capability and oneDNN taking bf16): where `dtype` auto
     picks the `bf16` preset."""
-    fast = cpu_kernels() == "avx512" and bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    fast = cpu_kernels() == "avx512" and bool(usable_flags() & {"avx512_bf16", "amx_bf16"})
     return fast and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
