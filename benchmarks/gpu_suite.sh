@@ -39,6 +39,11 @@
 #   decode 150    Fig. 9 at the paper's shapes: FA2 on virtual tensors against FA2 paged, FlashInfer
 #                 and SDPA where present; the model table on synthetic:paper
 #   prefill 120   Fig. 8, quick: the paper's models at 4K and 16K tokens
+#   host_ops 120  the host CPU's projection tests, at its own ISA (AMX on the H100s' Xeons) and
+#                 with oneDNN held below AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16)
+#   host_offline 200  benchmarks.offline_compare of vattn's presets on two host cores
+#                 (synthetic:smollm2: the default model cannot travel), written round by round;
+#                 the host's checks alone: ONLY=wheels,build,host_ops,host_offline
 #   then, while time remains: fake (the fake-driver tests), allocation (Table 7), hiding (Fig. 10)
 # The exit status is 1 when a step failed; skipped steps and unavailable libraries are not failures.
 # shellcheck disable=SC2329,SC2086  # (this whole file) functions run through step are used; $GPU_PYTHON splits
@@ -308,6 +313,31 @@ else
 fi
 step decode 150 decode.log $GPU_PYTHON -m paper_repro.decode --out "$results_folder" "${decode_args[@]}"
 step prefill 120 prefill.log $GPU_PYTHON -m paper_repro.prefill --out "$results_folder" "${prefill_args[@]}"
+
+# --- the host CPU (an AMX Xeon on the H100 machines lent so far) ----------------------------
+host_ops() { # the CPU projections' tests at the host's own ISA, then with oneDNN held below AMX
+    local cap code=0
+    for cap in "" AVX512_CORE_BF16; do
+        echo "-- ONEDNN_MAX_CPU_ISA=${cap:-(not set)}"
+        env ${cap:+ONEDNN_MAX_CPU_ISA=$cap} "$PYTHON" -m pytest -q -p no:cacheprovider -m "not needs_model" \
+            tests/test_cpu_isa.py tests/test_linear.py tests/test_tiled_linear.py || code=1
+    done
+    return $code
+}
+host_offline() { # vattn's presets on two of the host's cores, the results written after every round
+    local pin=()
+    command -v taskset >/dev/null && (($(nproc) >= 4)) && pin=(taskset -c 2,3)
+    "${pin[@]}" "$PYTHON" -m benchmarks.offline_compare --model synthetic:smollm2 --prompts 24 --max-tokens 32 \
+        --systems vattn-fp32,vattn-default,vattn-q8 --rounds 3 --out "$out/host_offline"
+}
+export -f host_ops host_offline
+if ((fake)); then
+    stub host_ops "make test runs them here"
+    stub host_offline "the host's speed is the lent machine's"
+else
+    step host_ops 120 host_ops.log host_ops
+    step host_offline 200 host_offline.log host_offline
+fi
 
 # --- while time remains ---------------------------------------------------------------------
 if ((fake)); then

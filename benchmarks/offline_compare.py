@@ -8,7 +8,9 @@ ignored, 2 threads, KV space as the serving comparison gives every system (measu
 vattn's kv_budget, OpenVINO's cache_size). Each system runs in a process of its own, once per round, the rounds
 alternating between systems (the machine's noise falls on all of them). Reported: output
 tokens/s per round and their mean, peak RSS, and greedy agreement with vattn fp32 (the share of
-prompts whose 64 tokens are all equal, and the mean length of the common prefix).
+prompts whose 64 tokens are all equal, and the mean length of the common prefix). The results
+are written after every round (`rounds_done` says how many all systems finished): a run cut
+short, as in a lent quarter hour, keeps what it measured.
 
 OpenVINO runs from the model's IRs that `make peer-openvino` exports with optimum-intel
 (`--weight-format fp32` and `int8`: per-channel int8 weights), with its inference precision
@@ -31,7 +33,7 @@ import multiprocessing
 import resource
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
@@ -172,8 +174,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def measure(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, list[dict[str, Any]]]:
-    """Every system's rounds, alternating; systems that cannot run here are skipped."""
+def measure(
+    args: argparse.Namespace, prompts: list[list[int]], save: Callable[[dict[str, list[dict[str, Any]]]], None]
+) -> dict[str, list[dict[str, Any]]]:
+    """Every system's rounds, alternating; systems that cannot run here are skipped. `save` gets
+    the rounds so far after each one (a run cut short keeps what it measured)."""
     runnable = [s for s in args.systems if skip_reason(s) is None]
     for system in args.systems:
         if reason := skip_reason(system):
@@ -191,16 +196,19 @@ def measure(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, lis
             else:
                 result = openvino_round(system, prompts_file, args.max_tokens, args.threads)
             rounds[system.name].append(result)
+            save(rounds)
     return rounds
 
 
 def tabulate(systems: list[System], rounds: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    reference = rounds.get("vattn-fp32", [{}])[0].get("outputs")
+    reference = (rounds.get("vattn-fp32") or [{}])[0].get("outputs")
     rows = []
     for system in systems:
         if system.name not in rounds:
             continue
         results = rounds[system.name]
+        if not results:
+            continue
         speeds = [r["output_tokens"] / r["seconds"] for r in results]
         row: dict[str, Any] = {"system": system.name, "precision": system.precision, "kv": system.kv}
         row |= {f"round_{i + 1}_tok_s": s for i, s in enumerate(speeds)}
@@ -226,7 +234,9 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     found = []
     for name, peer in [*pairs, DEFAULTS]:
         if name in by_name and peer in by_name:
-            ratios = ratio_range(round_speeds(by_name[name]), round_speeds(by_name[peer]))
+            ours, theirs = round_speeds(by_name[name]), round_speeds(by_name[peer])
+            paired = min(len(ours), len(theirs))  # fewer where a run was cut short
+            ratios = ratio_range(ours[:paired], theirs[:paired])
             found.append({"system": name, "peer": peer} | ratios)
     return found
 
@@ -261,16 +271,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         tokenizer = AutoTokenizer.from_pretrained(args.model or ensure_default_model())
     words = random_word_prompts(args.prompts, args.shortest, args.longest, seed=0)
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in words]
-    rounds = measure(args, prompts)
-    rows = tabulate(args.systems, rounds)
-    ratios = comparisons(rows)
     workload = {"model": args.model or "default", "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts))}
-    workload["max_tokens"] = args.max_tokens
-    workload |= {"rounds": args.rounds, "threads": args.threads}
-    payload = {"command": command_line(), "machine": machine_facts(), "workload": workload, "rows": rows}
-    payload["comparisons"] = ratios
-    payload["peer_versions"] = versions()
-    csv_path, json_path, png_path = write_results(args.out, "offline_compare", rows, payload)
+    workload |= {"max_tokens": args.max_tokens, "rounds": args.rounds, "threads": args.threads}
+    machine = machine_facts()
+
+    def save(rounds: dict[str, list[dict[str, Any]]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
+        rows = tabulate(args.systems, rounds)
+        ratios = comparisons(rows)
+        done = {"rounds_done": min(map(len, rounds.values()), default=0)}
+        payload = {"command": command_line(), "machine": machine, "workload": workload | done, "rows": rows}
+        payload |= {"comparisons": ratios, "peer_versions": versions()}
+        _, json_path, png_path = write_results(args.out, "offline_compare", rows, payload)
+        if rows:
+            plot(rows, png_path)
+        return rows, ratios, json_path
+
+    rows, ratios, json_path = save(measure(args, prompts, save))
     print_table(
         rows,
         [
@@ -285,8 +301,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ratio_columns = [("system", "system", 24, ""), ("against", "peer", 24, ""), ("median", "median", 7, ".2f")]
     ratio_columns += [("min", "min", 6, ".2f"), ("max", "max", 6, ".2f")]
     print_table(ratios, ratio_columns, "tokens/s ratios, round by round")
-    plot(rows, png_path)
-    print(f"wrote {csv_path}, {json_path}, {png_path}")
+    print(f"wrote {json_path} and its .csv and .png")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ STEPS = [
     "cuda",
     "decode",
     "prefill",
+    "host_ops",
+    "host_offline",
     "fake",
     "allocation",
 ]

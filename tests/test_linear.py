@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
 import sys
 
 import pytest
@@ -285,63 +282,11 @@ def test_weight_only_int8_handles_empty_batches_and_refuses_what_it_cannot_run()
         GroupedLinear.quantized_int8(torch.randn(4, 40), None)
 
 
-def test_aten_cpu_capability_avx2_forces_the_avx2_path() -> None:
-    """As torch's own kernels: ATEN_CPU_CAPABILITY=avx2 makes the weight-only kernels take their
-    AVX2 bodies: paired_linear's int16 one where outputs fill tiles of 16 (within int16 rounding
-    of the scalar body), grouped_linear's float32 one elsewhere (equal to the scalar body); int8
-    activations (`q8_0`) run as int16 there."""
-    if "avx2" not in KERNELS:
-        pytest.skip("this CPU has no AVX2")
-    script = (
-        "import torch\nfrom serving.model.cpu_features import cpu_kernels\n"
-        "from serving.model.linear import GroupedLinear\n"
-        "torch.manual_seed(0)\n"
-        "x = torch.randn(3, 96)\n"
-        "for outputs, rtol in ((64, 1e-3), (72, 1e-5)):\n"
-        "    w = torch.randn(outputs, 96)\n"
-        "    forced, scalar = GroupedLinear.quantized_int8(w, None), GroupedLinear.quantized_int8(w, None, 'scalar')\n"
-        "    print(cpu_kernels(), forced.kernels, torch.allclose(forced(x), scalar(x), rtol=rtol, atol=rtol))\n"
-        "print(GroupedLinear.quantized_int8(torch.randn(64, 96), None, activation_bits=8).kernels)"
-    )
-    env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-    assert result.stdout.split() == ["avx2", "int16_avx2", "True", "avx2", "avx2", "True", "int16_avx2"]
-
-
-@pytest.mark.parametrize("cap", [{"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}])
-def test_int8_activations_are_refused_where_int_mm_would_stall(cap: dict[str, str]) -> None:
-    """Below AVX-512 VNNI (torch held at AVX2, or oneDNN below VNNI) _int_mm is ~20x slower than
-    fp32 and saturates (16% error at AVX512_CORE): int8 is refused, naming what is fast there."""
-    code = "try:\n    make_linear(torch.randn(64, 96), None, 'int8')\nexcept Exception as exc:\n    print(exc)"
-    script = "import torch; from serving.model.linear import make_linear\n" + code
-    env = os.environ | cap
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-    assert "needs AVX-512 VNNI" in result.stdout and "int8_weight_only" in result.stdout
-
-
 def test_loading_the_operators_keeps_subnormal_floats() -> None:
     """A library built with -ffast-math sets flush-to-zero for the whole process when it loads."""
     vattn_ops()
     assert sys.float_info.min / 2 > 0
     assert torch.tensor(1e-40, dtype=torch.float32).item() > 0
-
-
-@pytest.mark.parametrize("isa", ["AVX2", "AVX512_CORE", "AVX512_CORE_BF16", "AVX512_CORE_AMX", None])
-def test_projections_are_right_on_every_onednn_path(isa: str | None) -> None:
-    """float32, bfloat16 and the bf16 preset, with oneDNN held below each ISA (ONEDNN_MAX_CPU_ISA;
-    a cap above this CPU is its widest): the paths an AMX or AVX-512 BF16 machine takes, and
-    those below it, compute the same product (bf16: its rounding, ~3e-3)."""
-    environment = os.environ | {"ONEDNN_MAX_CPU_ISA": isa} if isa else os.environ
-    done = subprocess.run(
-        [sys.executable, "-m", "measure.onednn"], env=environment, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    facts = json.loads(done.stdout)
-    errors = facts["relative_errors"]
-    assert errors["float32"] < 1e-6 and errors["bfloat16"] < 1e-2 and errors["bf16_preset"] < 1e-2, facts
-    assert facts["isa"] != "unknown" and "brg_matmul" in facts["implementations"]["float32"], facts
-    if isa == "AVX2":
-        assert facts["isa"] == "Intel AVX2"
 
 
 @pytest.mark.parametrize("count", [64 * 9 + 1, 64 * 9, 64 * 768])

@@ -61,15 +61,19 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(flags)
 
 
+def flags_under(flags: frozenset[str], cap: int | None) -> frozenset[str]:
+    """`flags` less those above oneDNN ISA number `cap` (None: all of them)."""
+    if cap is None:
+        return flags
+    return frozenset(f for f in flags if (isa := flag_isa(f)) is None or ONEDNN_ISAS.index(isa) <= cap)
+
+
 @functools.cache
 def usable_flags() -> frozenset[str]:
     """cpu_flags() less those above `ONEDNN_MAX_CPU_ISA`: a process capped below AMX or VNNI
     chooses its kernels as such a CPU would (how the lower paths are checked on a CPU that has
     more)."""
-    cap = onednn_cap()
-    if cap is None:
-        return cpu_flags()
-    return frozenset(f for f in cpu_flags() if (isa := flag_isa(f)) is None or ONEDNN_ISAS.index(isa) <= cap)
+    return flags_under(cpu_flags(), onednn_cap())
 
 
 def int8_activations_fast() -> bool:
