@@ -41,9 +41,10 @@
 #   prefill 120   Fig. 8, quick: the paper's models at 4K and 16K tokens
 #   host_ops 120  the host CPU's projection tests, at its own ISA (AMX on the H100s' Xeons) and
 #                 with oneDNN held below AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16)
+#   host_rows 90  benchmarks.few_rows there: how many rows vattn's tiles should take from oneDNN
 #   host_offline 200  benchmarks.offline_compare of vattn's presets on two host cores
 #                 (synthetic:smollm2: the default model cannot travel), written round by round;
-#                 the host's checks alone: ONLY=wheels,build,host_ops,host_offline
+#                 the host's checks alone: ONLY=wheels,build,host_ops,host_rows,host_offline
 #   then, while time remains: fake (the fake-driver tests), allocation (Table 7), hiding (Fig. 10)
 # The exit status is 1 when a step failed; skipped steps and unavailable libraries are not failures.
 # shellcheck disable=SC2329,SC2086  # (this whole file) functions run through step are used; $GPU_PYTHON splits
@@ -324,18 +325,24 @@ host_ops() { # the CPU projections' tests at the host's own ISA, then with oneDN
     done
     return $code
 }
+two_cores() { # runs "$@" on two of the host's cores, as the CPU comparisons run
+    if command -v taskset >/dev/null && (($(nproc) >= 4)); then taskset -c 2,3 "$@"; else "$@"; fi
+}
+host_rows() { # where oneDNN's matmul (AMX's, on an AMX host) overtakes vattn's tiles in decode steps
+    two_cores "$PYTHON" -m benchmarks.few_rows --rounds 3 --out "$out/host_rows"
+}
 host_offline() { # vattn's presets on two of the host's cores, the results written after every round
-    local pin=()
-    command -v taskset >/dev/null && (($(nproc) >= 4)) && pin=(taskset -c 2,3)
-    "${pin[@]}" "$PYTHON" -m benchmarks.offline_compare --model synthetic:smollm2 --prompts 24 --max-tokens 32 \
+    two_cores "$PYTHON" -m benchmarks.offline_compare --model synthetic:smollm2 --prompts 24 --max-tokens 32 \
         --systems vattn-fp32,vattn-default,vattn-q8 --rounds 3 --out "$out/host_offline"
 }
-export -f host_ops host_offline
+export -f host_ops two_cores host_rows host_offline
 if ((fake)); then
     stub host_ops "make test runs them here"
+    stub host_rows "the host's speed is the lent machine's"
     stub host_offline "the host's speed is the lent machine's"
 else
     step host_ops 120 host_ops.log host_ops
+    step host_rows 90 host_rows.log host_rows
     step host_offline 200 host_offline.log host_offline
 fi
 

@@ -34,6 +34,7 @@ STEPS = [
     "decode",
     "prefill",
     "host_ops",
+    "host_rows",
     "host_offline",
     "fake",
     "allocation",

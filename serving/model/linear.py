@@ -85,7 +85,8 @@ TILED_ROWS = {torch.bfloat16: 64, torch.float32: 128}
 """The most rows a projection runs on its tiled copy (vattn::tiled_linear): where it beats
 oneDNN's matmul on the default model's 30 layers (benchmarks/results/few_rows.*, AMD EPYC, 2
 threads, medians): bf16 1.08-1.57x at 1-64 rows, 0.96x at 96; float32 1.17-1.61x at 1-64,
-1.10-1.14x at 96-128."""
+1.10-1.14x at 96-128. Not yet measured on AMX, where oneDNN's bf16 matmul runs on AMX's tiles
+(benchmarks/gpu_suite.sh's `host_rows` measures it on a lent GPU machine's AMX host)."""
 
 
 def tiles_run(weight: Tensor) -> bool:
