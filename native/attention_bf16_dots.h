@@ -43,7 +43,7 @@ struct Avx512Bf16Math : Avx512Math {
                          const c10::BFloat16* const* keys, int64_t n, int64_t dim, float scale) {
     constexpr int64_t kLanes = 8;
     if (count < kLanes)
-      return by_fours(count, [&]<int64_t L>(int64_t l) { dots_few<L>(q + l, out + l, keys, n, dim, scale); });
+      return by_fours(count, [&]<int64_t L>(int64_t l) { dots_few_for<L>(q + l, out + l, keys, n, dim, scale); });
     const float* rows[kBlock];
     for (int64_t j = 0; j < n; ++j) rows[j] = pairs(keys[j]);
     alignas(64) float kt[Avx512Math::kMaxDim / 2 * 16];

@@ -182,10 +182,17 @@ struct Avx512Math {
   // sums come from one transposing tree (45 instructions), not one horizontal sum per key.
   // Float rows multiply by FMA; bf16 rows (Avx512Bf16Math) by vdpbf16ps on their pairs, which
   // is why the target names avx512bf16: float code compiled so never emits its instructions.
-  template <int64_t L, typename T>
+  // kChunks > 0: head_dim is kChunks vectors, and the queries stay in registers for the block
+  // (dots_few_for picks it where they fit beside the sums).
+  template <int64_t L, typename T, int64_t kChunks = 0>
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void dots_few(
       const T* const* q, float* const* out, const T* const* keys, int64_t n, int64_t dim, float scale) {
     constexpr int64_t kStep = 64 / sizeof(T);  // a vector's values
+    const int64_t chunks = kChunks > 0 ? kChunks : dim / kStep;
+    __m512 held[L][kChunks > 0 ? kChunks : 1];
+    if constexpr (kChunks > 0)
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t c = 0; c < kChunks; ++c) held[l][c] = _mm512_loadu_ps(q[l] + c * kStep);
     __m512 quads[L][4];
     for (int64_t g = 0; g < 4; ++g) {
       const T* rows[4];
@@ -193,11 +200,15 @@ struct Avx512Math {
       __m512 sums[L][4];
       for (int64_t l = 0; l < L; ++l)
         for (int64_t i = 0; i < 4; ++i) sums[l][i] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < dim; d += kStep)
+      for (int64_t c = 0; c < chunks; ++c)
         for (int64_t i = 0; i < 4; ++i) {
-          const __m512 k = _mm512_loadu_ps(rows[i] + d);
+          const __m512 k = _mm512_loadu_ps(rows[i] + c * kStep);
           for (int64_t l = 0; l < L; ++l) {
-            const __m512 ql = _mm512_loadu_ps(q[l] + d);
+            __m512 ql;
+            if constexpr (kChunks > 0)
+              ql = held[l][c];
+            else
+              ql = _mm512_loadu_ps(q[l] + c * kStep);
             if constexpr (std::is_same_v<T, float>)
               sums[l][i] = _mm512_fmadd_ps(ql, k, sums[l][i]);
             else
@@ -209,6 +220,17 @@ struct Avx512Math {
     const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
     const __m512 factor = _mm512_set1_ps(scale);
     for (int64_t l = 0; l < L; ++l) _mm512_mask_storeu_ps(out[l], live, _mm512_mul_ps(factor, sum_quads(quads[l])));
+  }
+  // dots_few with the queries held in registers where head_dim is 2 or 4 vectors and they fit
+  // beside the 4 L sums (at most 12 of the 32 registers), else loaded per key.
+  template <int64_t L, typename T>
+  static void dots_few_for(const T* const* q, float* const* out, const T* const* keys, int64_t n, int64_t dim,
+                           float scale) {
+    constexpr int64_t kStep = 64 / sizeof(T);
+    if constexpr (4 * L <= 12)
+      if (dim == 4 * kStep) return dots_few<L, T, 4>(q, out, keys, n, dim, scale);
+    if (dim == 2 * kStep) return dots_few<L, T, 2>(q, out, keys, n, dim, scale);
+    dots_few<L, T>(q, out, keys, n, dim, scale);
   }
   // Up to kLanes lanes, four at a time (dots_few).
   template <typename Few>
@@ -322,7 +344,7 @@ struct Avx512Math {
       return;
     }
     if (count < kLanes)
-      return by_fours(count, [&]<int64_t L>(int64_t l) { dots_few<L>(q + l, out + l, keys, n, dim, 1.0f); });
+      return by_fours(count, [&]<int64_t L>(int64_t l) { dots_few_for<L>(q + l, out + l, keys, n, dim, 1.0f); });
     alignas(64) float kt[kMaxDim * 16];
     for (int64_t d = 0; d < dim; d += 16) transpose16(keys, n, d, kt + d * 16);
     const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
