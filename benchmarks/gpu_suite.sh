@@ -42,7 +42,7 @@
 #   host_ops 120  the host CPU's projection tests, at its own ISA (AMX on the H100s' Xeons) and
 #                 with oneDNN held below AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16)
 #   host_rows 90  benchmarks.few_rows there: how many rows vattn's tiles should take from oneDNN
-#   host_offline 200  benchmarks.offline_compare of vattn's presets on two host cores
+#   host_offline 300  benchmarks.offline_compare of vattn's presets on two host cores
 #                 (synthetic:smollm2: the default model cannot travel), written round by round;
 #                 the host's checks alone: ONLY=wheels,build,host_ops,host_rows,host_offline
 #   then, while time remains: fake (the fake-driver tests), allocation (Table 7), hiding (Fig. 10)
@@ -343,7 +343,7 @@ if ((fake)); then
 else
     step host_ops 120 host_ops.log host_ops
     step host_rows 90 host_rows.log host_rows
-    step host_offline 200 host_offline.log host_offline
+    step host_offline 300 host_offline.log host_offline
 fi
 
 # --- while time remains ---------------------------------------------------------------------
