@@ -175,7 +175,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def measure(
-    args: argparse.Namespace, prompts: list[list[int]], save: Callable[[dict[str, list[dict[str, Any]]]], None]
+    args: argparse.Namespace, prompts: list[list[int]], save: Callable[[dict[str, list[dict[str, Any]]]], object]
 ) -> dict[str, list[dict[str, Any]]]:
     """Every system's rounds, alternating; systems that cannot run here are skipped. `save` gets
     the rounds so far after each one (a run cut short keeps what it measured)."""
@@ -273,14 +273,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in words]
     workload = {"model": args.model or "default", "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts))}
     workload |= {"max_tokens": args.max_tokens, "rounds": args.rounds, "threads": args.threads}
-    machine = machine_facts()
+    machine, peer_versions = machine_facts(), versions()
 
     def save(rounds: dict[str, list[dict[str, Any]]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
         rows = tabulate(args.systems, rounds)
         ratios = comparisons(rows)
         done = {"rounds_done": min(map(len, rounds.values()), default=0)}
         payload = {"command": command_line(), "machine": machine, "workload": workload | done, "rows": rows}
-        payload |= {"comparisons": ratios, "peer_versions": versions()}
+        payload |= {"comparisons": ratios, "peer_versions": peer_versions}
         _, json_path, png_path = write_results(args.out, "offline_compare", rows, payload)
         if rows:
             plot(rows, png_path)
