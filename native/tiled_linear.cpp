@@ -13,7 +13,9 @@
 // Rows go in blocks whose accumulators fit the register file (see tile_range), each tile's blocks
 // one after the other, so that the tile is read from memory once and from cache for the next
 // blocks. Products are summed in float32 (bf16's exactly), as oneDNN sums them; only the order of
-// the sums differs.
+// the sums differs. On AVX2 (float32 only) a tile is two 8-float vectors and a block 6 rows; there
+// oneDNN's matmul runs these shapes well below the FMA units' rate up to 128 rows, and the tiles
+// nearer it (benchmarks/results/avx2/few_rows.*).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -22,7 +24,10 @@
 #include <bit>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <type_traits>
+
+#include "widest_simd.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -103,6 +108,51 @@ void tile_range(int64_t count, const uint32_t* x, int64_t steps, const T* weight
     for (int64_t r = 0; r < count; r += kRows)
       run<1, kRows, T>(std::min(kRows, count - r), x + r * steps, steps, weight, bias, out + r * out_row, out_row, t);
 }
+
+// The AVX2 body, float32 only (bf16 pairs need AVX512_BF16): a tile's 16 outputs are two 8-float
+// vectors, so with 16 registers a block holds kAvx2Rows rows' 12 accumulators beside the tile's
+// two weight vectors and the broadcast input.
+constexpr int64_t kAvx2Rows = 6;
+
+template <int64_t M>
+__attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t steps, const float* weight,
+                                                   const float* bias, float* out, int64_t out_row, int64_t t) {
+  const float* w = weight + t * steps * kTile;
+  const __m256 low_bias = bias ? _mm256_loadu_ps(bias + t * kTile) : _mm256_setzero_ps();
+  const __m256 high_bias = bias ? _mm256_loadu_ps(bias + t * kTile + 8) : _mm256_setzero_ps();
+  __m256 low[M], high[M];
+  for (int64_t m = 0; m < M; ++m) low[m] = low_bias, high[m] = high_bias;
+  for (int64_t s = 0; s < steps; ++s) {
+    const float* vector = w + s * kTile;
+    _mm_prefetch(reinterpret_cast<const char*>(vector) + kAheadBytes, _MM_HINT_T0);
+    const __m256 low_weights = _mm256_loadu_ps(vector), high_weights = _mm256_loadu_ps(vector + 8);
+    for (int64_t m = 0; m < M; ++m) {
+      const __m256 input = _mm256_set1_ps(x[m * steps + s]);
+      low[m] = _mm256_fmadd_ps(input, low_weights, low[m]);
+      high[m] = _mm256_fmadd_ps(input, high_weights, high[m]);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    _mm256_storeu_ps(out + m * out_row + t * kTile, low[m]);
+    _mm256_storeu_ps(out + m * out_row + t * kTile + 8, high[m]);
+  }
+}
+
+template <int64_t M>
+void run_avx2(int64_t rows, const float* x, int64_t steps, const float* weight, const float* bias, float* out,
+              int64_t out_row, int64_t t) {
+  if constexpr (M > 1)
+    if (rows < M) return run_avx2<M - 1>(rows, x, steps, weight, bias, out, out_row, t);
+  tile_avx2<M>(x, steps, weight, bias, out, out_row, t);
+}
+
+void tile_range_avx2(int64_t count, const float* x, int64_t steps, const float* weight, const float* bias, float* out,
+                     int64_t out_row, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t)
+    for (int64_t r = 0; r < count; r += kAvx2Rows)
+      run_avx2<kAvx2Rows>(std::min(kAvx2Rows, count - r), x + r * steps, steps, weight, bias, out + r * out_row,
+                          out_row, t);
+}
 #endif
 
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -121,10 +171,19 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& weight, const std
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return out;
 #if defined(__x86_64__)
-  TORCH_CHECK(__builtin_cpu_supports("avx512f") && (!bf16 || __builtin_cpu_supports("avx512bf16")),
-              "tiled_linear needs AVX-512 (bfloat16: AVX512_BF16)");
+  const std::string& simd = widest_simd();
+  TORCH_CHECK(bf16 ? simd == "avx512" && __builtin_cpu_supports("avx512bf16") : simd != "scalar",
+              "tiled_linear needs AVX2 (bfloat16: AVX512_BF16)");
   const float* b = bias ? bias->const_data_ptr<float>() : nullptr;
   const int64_t steps = weight.size(1), count = x.size(0);
+  if (simd == "avx2") {
+    const float* rows = x.const_data_ptr<float>();
+    at::parallel_for(0, weight.size(0), 1, [&](int64_t begin, int64_t end) {
+      tile_range_avx2(count, rows, steps, weight.const_data_ptr<float>(), b, out.mutable_data_ptr<float>(),
+                      out_features, begin, end);
+    });
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "tiled_linear", [&] {
     const auto* rows = reinterpret_cast<const uint32_t*>(x.const_data_ptr<scalar_t>());
     at::parallel_for(0, weight.size(0), 1, [&](int64_t begin, int64_t end) {
@@ -134,7 +193,7 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& weight, const std
     });
   });
 #else
-  TORCH_CHECK(false, "tiled_linear needs an x86-64 CPU with AVX-512");
+  TORCH_CHECK(false, "tiled_linear needs an x86-64 CPU with AVX2");
 #endif
   return out;
 }

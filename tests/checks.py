@@ -1,6 +1,11 @@
-"""Checks shared by the CPU and GPU tests: reference attention, a kernel run, page sharing."""
+"""Checks shared by the CPU and GPU tests: reference attention, a kernel run, page sharing, a
+script run under other CPU settings."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -116,3 +121,11 @@ def check_page_sharing(backend: VMMBackend) -> None:
         backend.release_pages([page])
         backend.free_reservation(first, 2 * size)
         backend.free_reservation(second, 2 * size)
+
+
+def printed_under(settings: dict[str, str], script: str) -> list[str]:
+    """What a Python script prints, word by word, run in a process of its own with `settings`
+    added to the environment (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA: read once per process)."""
+    env = os.environ | settings
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    return result.stdout.split()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from checks import printed_under
 
 from serving.model.cpu_features import ONEDNN_ISAS, cpu_flags, cpu_kernels, flags_under, onednn_cap, usable_flags
 
@@ -61,9 +62,8 @@ def test_aten_cpu_capability_avx2_forces_the_avx2_path() -> None:
         "    print(cpu_kernels(), forced.kernels, torch.allclose(forced(x), scalar(x), rtol=rtol, atol=rtol))\n"
         "print(GroupedLinear.quantized_int8(torch.randn(64, 96), None, activation_bits=8).kernels)"
     )
-    env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-    assert result.stdout.split() == ["avx2", "int16_avx2", "True", "avx2", "avx2", "True", "int16_avx2"]
+    printed = printed_under({"ATEN_CPU_CAPABILITY": "avx2"}, script)
+    assert printed == ["avx2", "int16_avx2", "True", "avx2", "avx2", "True", "int16_avx2"]
 
 
 @pytest.mark.parametrize("cap", [{"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}])
@@ -72,9 +72,8 @@ def test_int8_activations_are_refused_where_int_mm_would_stall(cap: dict[str, st
     fp32 and saturates (16% error at AVX512_CORE): int8 is refused, naming what is fast there."""
     code = "try:\n    make_linear(torch.randn(64, 96), None, 'int8')\nexcept Exception as exc:\n    print(exc)"
     script = "import torch; from serving.model.linear import make_linear\n" + code
-    env = os.environ | cap
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-    assert "needs AVX-512 VNNI" in result.stdout and "int8_weight_only" in result.stdout
+    printed = " ".join(printed_under(cap, script))
+    assert "needs AVX-512 VNNI" in printed and "int8_weight_only" in printed
 
 
 @pytest.mark.parametrize("isa", ["AVX2", "AVX512_CORE", "AVX512_CORE_BF16", "AVX512_CORE_AMX", None])

@@ -1,17 +1,19 @@
 """vattn::tiled_linear, the few-row projection: float32 sums of the products (bf16's exact), on
-row counts within and across its blocks of 16, and DenseLinear's routing to it."""
+row counts within and across its blocks (16 rows on AVX-512, 6 on AVX2), its AVX2 body held to
+wherever the CPU has more, and DenseLinear's routing to it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from checks import printed_under
 
 from serving.model.cpu_features import bf16_available, cpu_kernels
 from serving.model.linear import TILED_ROWS, DenseLinear
 from vattn.ops import vattn_ops
 
-DTYPES = [torch.float32] * (cpu_kernels() == "avx512") + [torch.bfloat16] * bf16_available()
-pytestmark = pytest.mark.skipif(not DTYPES, reason="tiled_linear needs AVX-512 (bf16: AVX512_BF16)")
+DTYPES = [torch.float32] * (cpu_kernels() != "scalar") + [torch.bfloat16] * bf16_available()
+pytestmark = pytest.mark.skipif(not DTYPES, reason="tiled_linear needs AVX2 (bf16: AVX512_BF16)")
 
 
 def tiles(weight: torch.Tensor) -> torch.Tensor:
@@ -21,7 +23,7 @@ def tiles(weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 13, 16, 17, 31, 48, 50])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 8, 12, 13, 16, 17, 31, 48, 50])
 @pytest.mark.parametrize("bias", [False, True])
 def test_tiled_product_is_the_float32_sum_of_the_products(dtype: torch.dtype, rows: int, bias: bool) -> None:
     generator = torch.Generator().manual_seed(rows)
@@ -61,3 +63,24 @@ def test_dense_projections_of_few_rows_run_on_tiles_and_agree_with_onednn(dtype:
         onednn = torch.ops.mkldnn._linear_pointwise(x, linear.weight, bias, "none", [], "")
         torch.testing.assert_close(linear(x), onednn)
         torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias))
+
+
+def test_avx2_body_is_the_float32_sum_and_refuses_bf16() -> None:
+    """Under ATEN_CPU_CAPABILITY=avx2 (as torch's own kernels) float32 takes the AVX2 body, on
+    any CPU with AVX2, and gives the product; bf16, whose pairs need AVX512_BF16, is refused
+    there, and DenseLinear keeps a bf16 weight on oneDNN alone."""
+    script = (
+        "import torch\nfrom serving.model.linear import DenseLinear\nfrom vattn.ops import vattn_ops\n"
+        "torch.manual_seed(0)\n"
+        "for rows in (1, 5, 6, 7, 12, 64):\n"
+        "    weight, bias, x = torch.randn(80, 96), torch.randn(80), torch.randn(rows, 96)\n"
+        "    tiles = weight.reshape(5, 16, 96, 1).permute(0, 2, 1, 3).contiguous()\n"
+        "    got = vattn_ops().tiled_linear(x, tiles, bias).double()\n"
+        "    print(torch.allclose(got, x.double() @ weight.double().T + bias.double(), rtol=1e-5, atol=1e-5))\n"
+        "print(DenseLinear(torch.randn(32, 64).bfloat16(), None).tiles is None)\n"
+        "try:\n"
+        "    vattn_ops().tiled_linear(torch.randn(2, 64).bfloat16(), torch.randn(2, 32, 16, 2).bfloat16(), None)\n"
+        "except RuntimeError as exc:\n"
+        "    print('needs AVX2 (bfloat16: AVX512_BF16)' in str(exc))"
+    )
+    assert printed_under({"ATEN_CPU_CAPABILITY": "avx2"}, script) == ["True"] * 8

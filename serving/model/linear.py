@@ -83,19 +83,20 @@ def onednn_packs(weight: Tensor) -> bool:
 
 TILED_ROWS = {torch.bfloat16: 64, torch.float32: 128}
 """The most rows a projection runs on its tiled copy (vattn::tiled_linear): where it beats
-oneDNN's matmul on the default model's 30 layers (benchmarks/results/few_rows.*, AMD EPYC, 2
-threads, medians): bf16 1.08-1.57x at 1-64 rows, 0.96x at 96; float32 1.17-1.61x at 1-64,
-1.10-1.14x at 96-128. Not yet measured on AMX, where oneDNN's bf16 matmul runs on AMX's tiles
+oneDNN's matmul on the default model's 30 layers (benchmarks/results/few_rows.*, AMD EPYC with
+AVX-512, 2 threads, medians): bf16 1.08-1.57x at 1-64 rows, 0.96x at 96; float32 1.17-1.61x at
+1-64, 1.10-1.14x at 96-128; float32 on an AVX2-only EPYC (results/avx2/few_rows.*) 1.09-2.21x at
+1-128. Not yet measured on AMX, where oneDNN's bf16 matmul runs on AMX's tiles
 (benchmarks/gpu_suite.sh's `host_rows` measures it on a lent GPU machine's AMX host)."""
 
 
 def tiles_run(weight: Tensor) -> bool:
-    """Whether vattn::tiled_linear runs this weight: float32 on AVX-512, bf16 on AVX512_BF16,
-    outputs that fill tiles of TILE (16, the paired weights' tile)."""
+    """Whether vattn::tiled_linear runs this weight: float32 on AVX2 or AVX-512, bf16 on
+    AVX512_BF16, outputs that fill tiles of TILE (16, the paired weights' tile)."""
     if weight.dtype == torch.bfloat16:
         fast = bf16_available()
     else:
-        fast = weight.dtype == torch.float32 and cpu_kernels() == "avx512"
+        fast = weight.dtype == torch.float32 and cpu_kernels() != "scalar"
     return fast and weight.shape[0] % TILE == 0 and weight.shape[1] % 2 == 0
 
 
