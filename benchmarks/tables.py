@@ -230,8 +230,11 @@ def few_rows(results: dict[str, Any]) -> str:
 
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "few_rows": few_rows,
+    "avx2/few_rows": few_rows,
     "quality_bf16": quality,
     "offline_compare": offline_compare,
+    "avx2/offline_compare": offline_compare,
+    "avx2/offline_compare.ratios": offline_ratios,
     "offline_compare.ratios": offline_ratios,
     "serving_compare_equal_precision.quality": equal_quality,
     "serving_compare": serving_compare,
