@@ -239,7 +239,6 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "serving_compare_equal_precision.quality": equal_quality,
     "serving_compare": serving_compare,
     "serving_compare.ratios": serving_ratios,
-    "avx2/serving_compare.ratios": serving_ratios,
     "sleep_mode": sleep_mode,
     "shared_budget": shared_budget,
 }
