@@ -70,9 +70,12 @@ $(OPS): $(OPS_OBJECTS)
 serve: setup
 	$(VENV)/bin/vattn serve $(SERVE_ARGS)
 
+# A worker a core (pytest-xdist), each test file on one worker (its module fixtures start once),
+# each worker's torch on its share of the cores (tests/conftest.py): the suite waits on servers
+# starting and Python more than on arithmetic, and one process kept two cores half idle.
 test: setup
 	@$(MAKE) --no-print-directory router || echo "warning: vllm-router could not be installed: tests/test_replicas.py skips"
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --numprocesses logical --maxprocesses 4 --dist loadfile
 
 # The property tests and the schemathesis fuzz with new random seeds and 20x the examples
 # (tests/fuzz.py); `make test` runs them derandomized. Turn what this finds into fixed tests.

@@ -3,10 +3,12 @@ the host backend and on the CUDA backend over the fake driver (tests/fake_cuda).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from tests.fake_cuda import FakeDriver, installed
 from tests.fuzz import register_profiles
@@ -20,6 +22,29 @@ register_profiles()
 
 SMALL_SHAPE: dict[str, Any] = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32"}
 """128 B per token per layer: a 4 KiB page holds 32 tokens, so page boundaries are cheap to cross."""
+
+
+OPS_THREADS = 4
+"""Threads the native operators' tests run on (tests/test_kernels.py etc.: `several_threads`),
+whatever a worker has, so the shares each thread takes are checked too."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test` runs a worker a core), each worker and the servers it
+    starts share the cores out instead of each spinning up a thread per core."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def several_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(OPS_THREADS)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(params=[True, False], ids=["native", "ctypes"])

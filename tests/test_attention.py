@@ -11,6 +11,8 @@ from checks import reference_attention
 
 from vattn import KVCache
 
+pytestmark = pytest.mark.usefixtures("several_threads")  # the operators split work between threads
+
 MakeCache = Callable[..., KVCache]
 QUERY_HEADS = 8  # 4 query heads per KV head (grouped-query attention)
 

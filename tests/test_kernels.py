@@ -19,6 +19,8 @@ from vattn.backends.native import load_native, native_available
 from vattn.kernels import KERNELS, make_kernel
 from vattn.ops import vattn_ops
 
+pytestmark = pytest.mark.usefixtures("several_threads")  # the operators split work between threads
+
 MakeCache = Callable[..., KVCache]
 CPU_KERNELS = ["sdpa", "ragged"]
 GPU_KERNELS = [name for name in KERNELS if name not in CPU_KERNELS]
@@ -34,15 +36,10 @@ def test_cpu_kernels_match_reference_through_chunked_prefill_and_decode(
 
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
 def test_cpu_kernels_at_long_contexts_with_few_requests(make_cache: MakeCache, kernel: str) -> None:
-    """Fewer work items than threads: the ragged kernel splits each one's keys into chunks
+    """Fewer work items than OPS_THREADS: the ragged kernel splits each one's keys into chunks
     and merges them, for decodes and for a multi-row chunk whose rows end mid-context."""
     long_context = [{"a": 600, "b": 20}, {"a": 20, "b": 1}, {"a": 1, "b": 1}, {"a": 1}]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
-        check_kernel(kernel, make_cache(), query_heads=8, tolerance=1e-5, iterations=long_context)
-    finally:
-        torch.set_num_threads(threads)
+    check_kernel(kernel, make_cache(), query_heads=8, tolerance=1e-5, iterations=long_context)
 
 
 @pytest.mark.parametrize("kernel", CPU_KERNELS)

@@ -16,6 +16,8 @@ from serving.model.weights import INPUTS_PER_SCALE, GroupedWeight, PairedWeight
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
 
+pytestmark = pytest.mark.usefixtures("several_threads")  # the operators split work between threads
+
 KERNELS = {"avx512": ("scalar", "avx2", "avx512"), "avx2": ("scalar", "avx2"), "scalar": ("scalar",)}[cpu_kernels()]
 """grouped_linear's SIMD paths this CPU can run (every one is compiled into every build)."""
 PAIRED = {"int16_vnni": ("int16_vnni", "int16_avx2"), "int16_avx2": ("int16_avx2",), None: ()}[paired_kernels()]

@@ -13,6 +13,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from serving.model.runner import GatedActivation, Norm, rotate
 
+pytestmark = pytest.mark.usefixtures("several_threads")  # the operators split work between threads
+
 DTYPES = [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)]
 
 

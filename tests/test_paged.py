@@ -12,6 +12,8 @@ from conftest import SMALL_SHAPE
 from vattn import OutOfPagesError, OutOfSlotsError, UnavailableError
 from vattn.paged import PAGED_KERNELS, PagedKVCache, PagedKVCacheConfig, make_paged_kernel
 
+pytestmark = pytest.mark.usefixtures("several_threads")  # the operators split work between threads
+
 CPU_PAGED_KERNELS = ["paged", "paged_gather", "paged_blockwise"]
 
 
@@ -28,13 +30,9 @@ def test_paged_kernels_match_reference_through_chunked_prefill_and_decode(kernel
 
 @pytest.mark.parametrize("kernel", CPU_PAGED_KERNELS)
 def test_paged_kernels_at_long_contexts_with_few_requests(kernel: str) -> None:
+    """Fewer work items than OPS_THREADS: the native kernel splits keys."""
     long_context = [{"a": 600, "b": 20}, {"a": 20, "b": 1}, {"a": 1, "b": 1}, {"a": 1}]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(4)  # fewer work items than threads: the native kernel splits keys
-    try:
-        check_kernel(kernel, paged_cache(), query_heads=8, tolerance=1e-5, iterations=long_context)
-    finally:
-        torch.set_num_threads(threads)
+    check_kernel(kernel, paged_cache(), query_heads=8, tolerance=1e-5, iterations=long_context)
 
 
 @pytest.mark.parametrize("kernel", CPU_PAGED_KERNELS)

@@ -13,7 +13,10 @@ from serving.model.linear import TILED_ROWS, DenseLinear
 from vattn.ops import vattn_ops
 
 DTYPES = [torch.float32] * (cpu_kernels() != "scalar") + [torch.bfloat16] * bf16_available()
-pytestmark = pytest.mark.skipif(not DTYPES, reason="tiled_linear needs AVX2 (bf16: AVX512_BF16)")
+pytestmark = [
+    pytest.mark.skipif(not DTYPES, reason="tiled_linear needs AVX2 (bf16: AVX512_BF16)"),
+    pytest.mark.usefixtures("several_threads"),  # each thread takes a share of the tiles
+]
 
 
 def tiles(weight: torch.Tensor) -> torch.Tensor:
