@@ -40,6 +40,7 @@ from statistics import mean
 from typing import Any
 
 import matplotlib
+import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -55,6 +56,7 @@ from measure.results import (
     write_results,
 )
 from measure.workloads import engine_options, random_word_prompts
+from serving.config import EngineConfig
 from serving.default_model import ensure_default_model
 from serving.model.synthetic import build_tokenizer, is_synthetic, synthetic_spec
 
@@ -68,7 +70,7 @@ DRIVER = REPO_ROOT / "benchmarks" / "peer_drivers" / "openvino_offline.py"
 @dataclass(frozen=True)
 class System:
     name: str
-    precision: str  # its class: "fp32", "bf16" or "int8" (the comparison is within a class)
+    precision: str  # its class: "fp32", "fp32-narrowkv", "bf16" or "int8" (the comparison is within a class)
     vattn_config: str | None = None  # a measure.workloads configuration
     ir: str | None = None  # OpenVINO's IR folder under .peers/openvino/
     kv_precision: str | None = None  # OpenVINO's KV_CACHE_PRECISION; None: its default
@@ -78,16 +80,15 @@ class System:
     def kv(self) -> str:
         """The KV cache's precision as the results name it."""
         if self.vattn_config:
-            options = engine_options(self.vattn_config)
-            kv = options.get("kv_cache_dtype", "auto")
-            dtype = options.get("dtype", "float32")  # auto: a float32 model
-            return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype if kv == "auto" else kv]
+            kv = EngineConfig(**engine_options(self.vattn_config)).kv_torch_dtype  # auto resolved here
+            return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.int8: "i8"}[kv]
         return self.kv_precision or "default"
 
 
 SYSTEMS = (
     System("vattn-default", "defaults", vattn_config="default"),
     System("vattn-fp32", "fp32", vattn_config="fp32"),
+    System("vattn-f16kv", "fp32-narrowkv", vattn_config="f16kv"),
     System("vattn-bf16", "bf16", vattn_config="bf16"),
     System("vattn-bf16w", "bf16", vattn_config="bf16w"),
     System("vattn-w8", "int8", vattn_config="w8"),
@@ -99,9 +100,15 @@ SYSTEMS = (
     System("openvino-int8-f32kv", "int8", ir="ir-int8", kv_precision="f32"),
     System("openvino-int8-defaultkv", "int8", ir="ir-int8"),
 )
-PEER_OF_CLASS = {"fp32": "openvino-fp32-f32kv", "bf16": "openvino-bf16", "int8": "openvino-int8-f32kv"}
+PEER_OF_CLASS = {
+    "fp32": "openvino-fp32-f32kv",
+    "fp32-narrowkv": "openvino-fp32-defaultkv",
+    "bf16": "openvino-bf16",
+    "int8": "openvino-int8-f32kv",
+}
 """The OpenVINO system each vattn system of a class is compared with (f32 KV where it has it,
-as vattn's presets keep theirs unless they say otherwise)."""
+as vattn's presets keep theirs unless they say otherwise; fp32 compute over a narrower KV cache
+against OpenVINO's fp32 over its default KV, u8 on the CPU)."""
 DEFAULTS = ("vattn-default", "openvino-defaults")
 """vattn's defaults (dtype auto) and OpenVINO's: what a user who starts each gets."""
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.model.cpu_features import bf16_native
+from serving.model.cpu_features import bf16_native, cpu_kernels
 from vattn.backends.host import max_map_count
 from vattn.config import DTYPES, KVCacheConfig
 from vattn.kernels import KERNELS
@@ -47,8 +47,11 @@ class EngineConfig:
     bfloat16 (weights, activations, KV cache; the LM head's top logits re-scored in float32) where the CPU runs bf16
     natively (AVX512_BF16, AMX: `serving.model.cpu_features.bf16_native`) and neither a quantization
     nor another KV precision is asked for, measured near-lossless (benchmarks/README,
-    `quality_bf16`) and the fastest of the bf16 class offline; float32 elsewhere, and under
-    tensor parallelism (ranks on other machines must compute alike); bfloat16 on a GPU."""
+    `quality_bf16`) and the fastest of the bf16 class offline; float32 elsewhere, over a float16
+    KV cache where the ragged kernel reads one (AVX2, AVX-512) and neither a quantization nor a KV
+    precision is asked for (half the bytes a decode step's attention reads; every greedy answer
+    of fp32's kept, benchmarks/README); float32 throughout under tensor parallelism (ranks on
+    other machines must compute alike); bfloat16 on a GPU. `float32` asked for is exact: its KV too."""
     max_slots: int = 64
     """Requests running at once (KV slots)."""
     max_context: int = 2048
@@ -117,6 +120,8 @@ class EngineConfig:
             asked = self.quantization != "auto" or self.kv_cache_dtype not in ("auto", "bfloat16")
             native = not asked and single and not is_gguf and bf16_native()
             object.__setattr__(self, "dtype", "bfloat16" if self.backend == "cuda" or native else "float32")
+            if self.dtype == "float32" and not asked and single and not is_gguf and self._reads_float16_kv_fast():
+                object.__setattr__(self, "kv_cache_dtype", "float16")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.kv_cache not in KV_CACHES:
@@ -159,6 +164,13 @@ class EngineConfig:
                 "sleep mode gives the virtual cache's pages back on one rank: it needs kv_cache 'virtual' and "
                 "tensor_parallel_size 1 (the paged baseline's blocks are allocated once, for good)"
             )
+
+    def _reads_float16_kv_fast(self) -> bool:
+        """Whether this configuration's attention reads a float16 KV cache with SIMD (F16C):
+        the ragged kernel on the host's virtual cache, on an AVX2 or AVX-512 CPU."""
+        virtual = self.backend == "host" and self.kv_cache == "virtual"
+        kernel = KERNELS.get(self.attention_kernel)  # an unknown one is refused after
+        return virtual and kernel is not None and kernel.reads_narrower_cache and cpu_kernels() != "scalar"
 
     def _check_kv_cache_dtype(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
