@@ -232,6 +232,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "few_rows": few_rows,
     "avx2/few_rows": few_rows,
     "quality_bf16": quality,
+    "quality_kv_f16": quality,
     "offline_compare": offline_compare,
     "avx2/offline_compare": offline_compare,
     "avx2/offline_compare.ratios": offline_ratios,

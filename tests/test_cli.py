@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from serving.config import EngineConfig
 from serving.default_model import ensure_default_model
 from serving.server.cli import main, parser
 from serving.server.cli_args import size
@@ -123,6 +124,9 @@ def test_serve_logs_ready_and_answers_on_loopback(kv_cache: str, announced: str)
         log = read_until(server, "ready:")
         assert any(f"ready: SmolLM2-135M-Instruct on http://127.0.0.1:{port}/v1" in line for line in log), log
         assert any(f"2 slots, 32 MiB KV budget, {kv_cache} KV cache, {announced}" in line for line in log), log
+        chosen = EngineConfig(kv_cache=kv_cache)  # dtype auto, as the server resolves it on this CPU
+        kv = str(chosen.kv_torch_dtype).removeprefix("torch.")
+        assert any(f"({chosen.dtype}, {kv} KV, projections as the weights" in line for line in log), log
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401  # the key came from the env
         completion = httpx.post(

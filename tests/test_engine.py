@@ -13,7 +13,7 @@ from serving import LLM, SamplingParams
 from serving.config import EngineConfig
 from serving.default_model import default_gguf, ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
-from serving.model.cpu_features import bf16_native, int8_activations_fast
+from serving.model.cpu_features import bf16_native, cpu_kernels, int8_activations_fast
 from serving.request import Request
 from serving.sampler import sample
 from serving.scheduler import assign_fork_parents
@@ -464,13 +464,20 @@ def test_constraints_that_leave_no_token_are_refused_or_end_the_request_alone(ll
 
 
 def test_auto_precision_takes_bfloat16_where_the_cpu_runs_bf16_natively() -> None:
-    """`dtype` auto (the default): bfloat16 on a CPU with AVX512_BF16 or AMX, float32 elsewhere,
+    """`dtype` auto (the default): bfloat16 on a CPU with AVX512_BF16 or AMX, float32 elsewhere
+    (over a float16 KV cache where the ragged kernel reads one with SIMD), float32 throughout
     under tensor parallelism and with a quantization or another KV precision asked for, bfloat16
-    on a GPU; an explicit
-    float32, or any explicit quantization, is kept as asked."""
+    on a GPU; an explicit float32 (its KV too), or any explicit quantization, is kept as asked."""
     auto = EngineConfig()
     assert auto.dtype == ("bfloat16" if bf16_native() else "float32")
+    narrow_kv = not bf16_native() and cpu_kernels() != "scalar"
+    assert auto.kv_torch_dtype == (torch.float16 if narrow_kv else auto.torch_dtype)
     assert auto.quantization == "none"
+    kv_as_the_model = ({"quantization": "q8_0"}, {"kv_cache": "paged"}, {"kernel": "sdpa"}, {"tensor_parallel_size": 2})
+    for as_the_model in kv_as_the_model:
+        config = EngineConfig(**as_the_model)
+        assert config.kv_torch_dtype == config.torch_dtype, as_the_model
+    assert EngineConfig(dtype="float32").kv_torch_dtype == torch.float32
     assert EngineConfig(quantization="q8_0").dtype == "float32"
     assert EngineConfig(kv_cache_dtype="int8").dtype == "float32"
     assert EngineConfig(dtype="float32").quantization == "none"

@@ -107,11 +107,12 @@ async def _announce_ready(engine: AsyncEngine, model_name: str, settings: Server
             else f"paged KV cache, {config.block_size}-token blocks"
         )
         log.info(
-            "ready: %s on http://%s:%d/v1 (%s, projections %s, %d slots, %d MiB KV budget, %s)",
+            "ready: %s on http://%s:%d/v1 (%s, %s KV, projections %s, %d slots, %d MiB KV budget, %s)",
             model_name,
             settings.host,
             settings.port,
             config.dtype,
+            str(config.kv_torch_dtype).removeprefix("torch."),
             "as the weights" if config.quantization == "none" else config.quantization,
             config.max_slots,
             config.kv_budget // MiB,

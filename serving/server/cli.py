@@ -73,8 +73,9 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", *MODEL_DTYPES],
         help="weights and KV precision; auto: bfloat16 (the LM head in float32) where the CPU does bf16 "
-        "natively (AVX512_BF16, AMX) and no --quantization is given, bfloat16 on a GPU, else float32; "
-        "float32: exact",
+        "natively (AVX512_BF16, AMX) and no --quantization is given, bfloat16 on a GPU, else float32 "
+        "(over a float16 KV cache where the ragged kernel reads one and no --kv-cache-dtype is given); "
+        "float32: exact, its KV too",
     )
     serve.add_argument("--host", default=server.host, help="address to bind; 0.0.0.0 exposes the server")
     serve.add_argument("--port", type=int, default=server.port, help="port to bind")
@@ -173,7 +174,7 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--kv-cache-dtype",
-        default=defaults.kv_cache_dtype,
+        default="auto",  # resolved with --dtype auto (serving.config)
         choices=KV_CACHE_DTYPES,
         help="KV cache precision: auto (as --dtype), float16 or bfloat16 (half a float32 model's KV bytes), "
         "int8 (a quarter, plus a float32 scale per token and KV head, vLLM's int8_per_token_head); the "
