@@ -10,13 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from serving import LLM, SamplingParams
-from serving.config import EngineConfig
 from serving.default_model import ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
-from serving.model.cpu_features import bf16_native, cpu_kernels, int8_activations_fast
-from serving.request import Request
-from serving.sampler import sample
-from serving.scheduler import assign_fork_parents
+from serving.model.cpu_features import int8_activations_fast
 from serving.structured_output import StructuredOutput
 
 PROMPTS = [
@@ -187,24 +183,6 @@ def test_a_narrower_kv_cache_cuts_the_bytes_and_keeps_the_scores(llm: LLM, kv_ca
     assert len(differences) == len(pairs) > 20
     largest, mean = NARROW_KV[kv_cache_dtype]
     assert max(differences) < largest and sum(differences) / len(differences) < mean
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of auto, float16, bfloat16, int8"),
-        ({"kv_cache_dtype": "int8", "dtype": "float16"}, r"needs a float32 model \(int8 also a bfloat16 one\)"),
-        ({"kv_cache_dtype": "int8", "kernel": "sdpa"}, "int8 is read only by the ragged and paged kernels"),
-        ({"kv_cache_dtype": "int8", "kv_cache": "paged", "kernel": "paged_gather"}, "runs paged_gather"),
-        ({"dtype": "int8"}, "dtype must be one of auto, float16, bfloat16, float32"),
-        ({"kv_cache_dtype": "float16", "dtype": "bfloat16"}, "needs a float32 model"),
-        ({"kv_cache_dtype": "float16", "kernel": "sdpa"}, "read only by the ragged kernel"),
-        ({"kv_cache_dtype": "bfloat16", "kv_cache": "paged", "dtype": "float32"}, "read only by the ragged kernel"),
-    ],
-)
-def test_a_kv_cache_dtype_nothing_can_read_is_refused(overrides: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        EngineConfig(**overrides)
 
 
 def test_stop_strings_cut_the_text(llm: LLM) -> None:
@@ -378,23 +356,6 @@ def test_prompts_sharing_a_prefix_fork_it_instead_of_computing_it_each() -> None
     assert [o.cached_tokens for o in together] == [0, shared, len(third) - 1]  # third is a prefix of first
 
 
-def test_fork_planning_picks_the_longest_shared_prefix() -> None:
-    """`assign_fork_parents`: the earlier prompt sharing the most; equal prompts always; short matches never."""
-
-    def request(ids: list[int]) -> Request:
-        return Request("r", None, ids, GREEDY, None, None)  # type: ignore[arg-type]
-
-    ids = ([1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 3, 4, 7, 8], [1, 2, 3, 4, 7, 9], [1, 2, 3], [7, 7], [7, 7])
-    a, b, c, d, e, f, g = (request(prompt) for prompt in ids)
-    assign_fork_parents([a, b, c, d, e, f, g], min_tokens=2)
-    assert (b.fork_of, b.fork_at) == (a, 3)
-    assert (c.fork_of, c.fork_at) == (a, 4)  # a shares 4 tokens, b only 3
-    assert (d.fork_of, d.fork_at) == (c, 5)
-    assert (e.fork_of, e.fork_at) == (a, 2)  # not b, which forks a past that point: a computes it
-    assert a.fork_of is None and f.fork_of is None  # f shares nothing earlier
-    assert (g.fork_of, g.fork_at) == (f, 1)  # equal prompts fork below min_tokens, at their last token
-
-
 def test_prompt_logprobs_equal_hf_across_prefill_chunks(llm: LLM) -> None:
     """The longest prompt is prefilled in 48-token chunks; every prompt token's logprob (and top
     alternatives) equals HF's forward pass, though the same prompt was cached before."""
@@ -455,48 +416,3 @@ def test_constraints_that_leave_no_token_are_refused_or_end_the_request_alone(ll
     assert dead.finish_reason == "error" and dead.token_ids == [6004]
     assert dead.error is not None and not dead.error.internal and "no token satisfies" in dead.error.message
     assert fine.token_ids == llm.generate(PROMPTS[1], greedy, use_tqdm=False)[0].token_ids
-
-
-def test_auto_precision_takes_bfloat16_where_the_cpu_runs_bf16_natively() -> None:
-    """`dtype` auto (the default): bfloat16 on a CPU with AVX512_BF16 or AMX, float32 elsewhere
-    (over a float16 KV cache where the ragged kernel reads one with SIMD), float32 throughout
-    under tensor parallelism and with a quantization or another KV precision asked for, bfloat16
-    on a GPU; an explicit float32 (its KV too), or any explicit quantization, is kept as asked."""
-    auto = EngineConfig()
-    assert auto.dtype == ("bfloat16" if bf16_native() else "float32")
-    narrow_kv = not bf16_native() and cpu_kernels() != "scalar"
-    assert auto.kv_torch_dtype == (torch.float16 if narrow_kv else auto.torch_dtype)
-    assert auto.quantization == "none"
-    kv_as_the_model = ({"quantization": "q8_0"}, {"kv_cache": "paged"}, {"kernel": "sdpa"}, {"tensor_parallel_size": 2})
-    for as_the_model in kv_as_the_model:
-        config = EngineConfig(**as_the_model)
-        assert config.kv_torch_dtype == config.torch_dtype, as_the_model
-    assert EngineConfig(dtype="float32").kv_torch_dtype == torch.float32
-    assert EngineConfig(quantization="q8_0").dtype == "float32"
-    assert EngineConfig(kv_cache_dtype="int8").dtype == "float32"
-    assert EngineConfig(dtype="float32").quantization == "none"
-    assert EngineConfig(quantization="q8_0").quantization == "q8_0"
-    assert EngineConfig(model="/models/x.gguf").quantization == "gguf"
-    assert EngineConfig(backend="cuda").dtype == "bfloat16"
-    assert EngineConfig(tensor_parallel_size=2).dtype == "float32"  # every rank alike, whatever its CPU
-
-
-def test_the_sampler_takes_the_first_maximum_and_fails_only_rows_with_no_finite_choice() -> None:
-    def request(name: str, params: SamplingParams) -> Request:
-        return Request(name, None, [1], params, None, None)  # type: ignore[arg-type]
-
-    inf, nan = float("inf"), float("nan")
-    logits = torch.tensor(
-        [
-            [0.0, 3.0, 3.0, 1.0],  # a tie: the first maximum, as argmax takes it
-            [-inf, -inf, -inf, -inf],  # nothing possible
-            [0.0, nan, 5.0, 1.0],  # a NaN anywhere: the row's logits are not finite
-            [-inf, 2.0, -inf, -inf],
-            [9.0, -inf, -inf, -inf],  # drawn at temperature 1: only one token is possible
-        ]
-    )
-    greedy = SamplingParams(max_tokens=1, temperature=0)
-    requests = [request(f"r{i}", greedy) for i in range(4)] + [request("drawn", SamplingParams(max_tokens=1, seed=3))]
-    choices = sample(logits, requests, frozenset(), torch.Generator().manual_seed(0))
-    assert [c[0] if isinstance(c, tuple) else None for c in choices] == [1, None, None, 1, 0]
-    assert all("not finite" in str(choices[i]) for i in (1, 2))
