@@ -333,7 +333,7 @@ host_rows() { # where oneDNN's matmul (AMX's, on an AMX host) overtakes vattn's 
 }
 host_offline() { # vattn's presets on two of the host's cores, the results written after every round
     two_cores "$PYTHON" -m benchmarks.offline_compare --model synthetic:smollm2 --prompts 24 --max-tokens 32 \
-        --systems vattn-fp32,vattn-default,vattn-q8 --rounds 3 --out "$out/host_offline"
+        --systems vattn-fp32,vattn-default,vattn-bf16,vattn-q8 --rounds 3 --out "$out/host_offline"
 }
 export -f host_ops two_cores host_rows host_offline
 if ((fake)); then
