@@ -14,17 +14,20 @@ NATIVE := vattn/libvattn_native.so
 OPS := vattn/libvattn_ops.so
 FAKE_CUDA := build/libfakecuda.so
 
-.PHONY: setup native model serve test fuzz lint bench repro gpu-wheels clean router router-smg peers peer-vllm peer-llamacpp peer-llamacpp-avx2 peer-hf \
+.PHONY: setup native model serve test test-router fuzz lint bench repro gpu-wheels clean router router-smg peers peer-vllm peer-llamacpp peer-llamacpp-avx2 peer-hf \
 	peer-openvino
 
 # After the venv, the libraries and the model are independent: built two at a time.
 setup: $(STAMP)
 	$(MAKE) --no-print-directory -j2 model $(NATIVE) $(OPS) $(FAKE_CUDA)
 
+# --no-compile: pip would byte-compile every module of torch, transformers and the rest (half
+# of these installs' time on 2 cores); Python compiles the few a process imports when it first
+# imports them.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet $(TORCH)
-	$(PIP) install --quiet -e ".[serving,dev]"
+	$(PIP) install --quiet --no-compile $(TORCH)
+	$(PIP) install --quiet --no-compile -e ".[serving,dev]"
 	touch $@
 
 native: $(NATIVE) $(OPS) $(FAKE_CUDA)
@@ -47,7 +50,7 @@ $(FAKE_CUDA): tests/fake_cuda/shim.c
 # (it cost nothing measurable in the attention kernel). No trapping math: nothing reads the
 # floating-point exception flags, and GCC turns a loop's float selects into blends only then
 # (silu_and_mul's exp).
-# Each source compiles on its own (~15 s each against torch's headers), two at a time in setup.
+# Each source compiles on its own, two at a time in setup, after torch's headers are precompiled.
 # One build for both CPU kinds: the baseline is AVX2 (x86-64-v3) wherever the CPU has it, and the
 # AVX-512 bodies carry their own target attributes and are chosen at run time, so an AVX-512
 # machine compiles (and its AVX2 paths run) exactly what an AVX2-only one does. Older CPUs: native.
@@ -56,12 +59,19 @@ OPS_SOURCES := native/ragged_attention.cpp native/tiled_linear.cpp native/int8_l
 OPS_OBJECTS := $(patsubst native/%.cpp,build/ops/%.o,$(OPS_SOURCES))
 TORCH_DIR = $$($(PY) -c "import os, torch; print(os.path.dirname(torch.__file__))")
 
-build/ops/%.o: native/%.cpp native/narrow_floats.h native/fast_exp.h native/widest_simd.h native/attention_simd.h native/attention_bf16_dots.h Makefile $(STAMP)
+OPS_FLAGS = -O3 -march=$(OPS_ARCH) -mtune=native -fno-math-errno -fno-trapping-math -ffp-contract=off -fopenmp \
+	-std=c++20 -fPIC -Wall -Wextra -Werror -Winvalid-pch \
+	-D_GLIBCXX_USE_CXX11_ABI=$$($(PY) -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))") \
+	-isystem $$TORCH/include -isystem $$TORCH/include/torch/csrc/api/include
+
+# torch's headers, parsed once for every source (native/torch_headers.h says why).
+build/ops/torch_headers.h.gch: native/torch_headers.h Makefile $(STAMP)
 	@mkdir -p $(@D)
-	TORCH=$(TORCH_DIR); \
-	c++ -O3 -march=$(OPS_ARCH) -mtune=native -fno-math-errno -fno-trapping-math -ffp-contract=off -fopenmp -std=c++20 -fPIC -Wall -Wextra -Werror \
-		-D_GLIBCXX_USE_CXX11_ABI=$$($(PY) -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))") \
-		-isystem $$TORCH/include -isystem $$TORCH/include/torch/csrc/api/include -c -o $@ $<
+	TORCH=$(TORCH_DIR); c++ $(OPS_FLAGS) -x c++-header -o $@ $<
+
+build/ops/%.o: native/%.cpp native/narrow_floats.h native/fast_exp.h native/widest_simd.h native/attention_simd.h native/attention_bf16_dots.h build/ops/torch_headers.h.gch Makefile $(STAMP)
+	@mkdir -p $(@D)
+	TORCH=$(TORCH_DIR); c++ $(OPS_FLAGS) -Ibuild/ops -Inative -include torch_headers.h -c -o $@ $<
 
 $(OPS): $(OPS_OBJECTS)
 	TORCH=$(TORCH_DIR); \
@@ -73,9 +83,13 @@ serve: setup
 # A worker a core (pytest-xdist), each test file on one worker (its module fixtures start once),
 # each worker's torch on its share of the cores (tests/conftest.py): the suite waits on servers
 # starting and Python more than on arithmetic, and one process kept two cores half idle.
-test: setup
-	@$(MAKE) --no-print-directory router || echo "warning: vllm-router could not be installed: tests/test_replicas.py skips"
+test:
+	$(MAKE) --no-print-directory -j2 setup test-router
 	$(PY) -m pytest -q --numprocesses logical --maxprocesses 4 --dist loadfile
+
+# The router's own venv, installed beside set-up; without it tests/test_replicas.py skips.
+test-router:
+	@$(MAKE) --no-print-directory router || echo "warning: vllm-router could not be installed: tests/test_replicas.py skips"
 
 # The property tests and the schemathesis fuzz with new random seeds and 20x the examples
 # (tests/fuzz.py); `make test` runs them derandomized. Turn what this finds into fixed tests.
@@ -137,7 +151,7 @@ router-smg: $(ROUTER_VENV)/bin/smg
 
 $(ROUTER_VENV)/bin/vllm-router:
 	test -x $(ROUTER_VENV)/bin/python || $(PYTHON) -m venv $(ROUTER_VENV)
-	$(ROUTER_VENV)/bin/pip install --quiet $(VLLM_ROUTER)
+	$(ROUTER_VENV)/bin/pip install --quiet --no-compile $(VLLM_ROUTER)
 
 $(ROUTER_VENV)/bin/smg:
 	test -x $(ROUTER_VENV)/bin/python || $(PYTHON) -m venv $(ROUTER_VENV)
