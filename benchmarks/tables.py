@@ -239,6 +239,8 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "offline_compare.ratios": offline_ratios,
     "serving_compare_equal_precision.quality": equal_quality,
     "serving_compare": serving_compare,
+    "avx2/serving_compare": serving_compare,
+    "avx2/serving_compare.ratios": serving_ratios,
     "serving_compare.ratios": serving_ratios,
     "sleep_mode": sleep_mode,
     "shared_budget": shared_budget,
