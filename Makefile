@@ -9,6 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH := torch==2.13.0
+TORCH_STAMP := $(VENV)/.torch
 STAMP := $(VENV)/.installed
 NATIVE := vattn/libvattn_native.so
 OPS := vattn/libvattn_ops.so
@@ -17,17 +18,21 @@ FAKE_CUDA := build/libfakecuda.so
 .PHONY: setup native model serve test test-router fuzz lint bench repro gpu-wheels clean router router-smg peers peer-vllm peer-llamacpp peer-llamacpp-avx2 peer-hf \
 	peer-openvino
 
-# After the venv, the libraries and the model are independent: built two at a time.
-setup: $(STAMP)
+# Two at a time: once torch is in, the native libraries (which need only torch) build while the
+# extras install and the model (which needs them) is fetched.
+setup:
 	$(MAKE) --no-print-directory -j2 model $(NATIVE) $(OPS) $(FAKE_CUDA)
+
+$(TORCH_STAMP):
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --no-compile $(TORCH)
+	touch $@
 
 # Byte-compiled after installing, on every core: pip compiles one file at a time (half of these
 # installs' time on 2 cores), and these machines set PYTHONDONTWRITEBYTECODE, so what is not
 # compiled here is compiled again by every process that imports it (torch + transformers: 8 s
 # -> 21 s). A file written for another Python fails to compile, as under pip: ignored.
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --no-compile $(TORCH)
+$(STAMP): pyproject.toml $(TORCH_STAMP)
 	$(PIP) install --quiet --no-compile -e ".[serving,dev]"
 	-$(PY) -m compileall -qq -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 	touch $@
@@ -67,11 +72,11 @@ OPS_FLAGS = -O3 -march=$(OPS_ARCH) -mtune=native -fno-math-errno -fno-trapping-m
 	-isystem $$TORCH/include -isystem $$TORCH/include/torch/csrc/api/include
 
 # torch's headers, parsed once for every source (native/torch_headers.h says why).
-build/ops/torch_headers.h.gch: native/torch_headers.h Makefile $(STAMP)
+build/ops/torch_headers.h.gch: native/torch_headers.h Makefile $(TORCH_STAMP)
 	@mkdir -p $(@D)
 	TORCH=$(TORCH_DIR); c++ $(OPS_FLAGS) -x c++-header -o $@ $<
 
-build/ops/%.o: native/%.cpp native/narrow_floats.h native/fast_exp.h native/widest_simd.h native/attention_simd.h native/attention_bf16_dots.h build/ops/torch_headers.h.gch Makefile $(STAMP)
+build/ops/%.o: native/%.cpp native/narrow_floats.h native/fast_exp.h native/widest_simd.h native/attention_simd.h native/attention_bf16_dots.h build/ops/torch_headers.h.gch Makefile $(TORCH_STAMP)
 	@mkdir -p $(@D)
 	TORCH=$(TORCH_DIR); c++ $(OPS_FLAGS) -Ibuild/ops -Inative -include torch_headers.h -c -o $@ $<
 

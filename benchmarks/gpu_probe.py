@@ -12,6 +12,12 @@ process of its own, so a fault that poisons the CUDA context costs only that ker
 tests/test_cuda.py then checks the values of every available kernel against float64.
 Exit status: 1 when a dtype failed, else 0.
 
+    python -m benchmarks.gpu_probe --plan [--out kernels.jsonl]
+
+writes the `unavailable` lines of the kernels whose library is not installed (flash-attn,
+FlashInfer: nothing to build, no process of their own needed) and prints the names of the rest,
+the ones to probe.
+
     python -m benchmarks.gpu_probe --untested kernels.jsonl cuda_tests.xml
 
 lists each kernel and dtype the probe found available whose tests in tests/test_cuda.py (the
@@ -22,6 +28,8 @@ failure (exit status 1), not a pass.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import sys
 import time
@@ -44,6 +52,7 @@ GPU_KERNELS = {
 }
 """The kernels that need a GPU library (torch's FlashAttention counts): the CPU ones and
 torch SDPA are exercised by the tests wherever they run."""
+DTYPES = ("bfloat16", "float16")
 SHAPE = (8, 128, 32)
 """KV heads, head size, query heads: the paper's Llama-3-8B."""
 NEW_TOKENS = (1, 37, 1)
@@ -104,6 +113,42 @@ def probe(name: str, dtype: str) -> dict[str, Any]:
     return line | {"status": "available", "build_s": round(build_seconds, 3), "first_call_s": round(first_call, 3)}
 
 
+def library(name: str) -> str | None:
+    """The Python package the kernel needs beyond torch, if any."""
+    if "flashinfer" in name:
+        return "flashinfer"
+    return "flash_attn" if name.removeprefix("paged_") == "flash_attn" else None
+
+
+def plan() -> tuple[list[str], list[dict[str, Any]]]:
+    """The kernels to probe, and the lines of those whose package is not installed."""
+    absent = {
+        name: library(name) for name in GPU_KERNELS if library(name) and not importlib.util.find_spec(library(name))
+    }
+    lines = [
+        {
+            "kernel": name,
+            "cache": GPU_KERNELS[name],
+            "dtype": dtype,
+            "status": "unavailable",
+            "reason": f"the {name} kernel needs {package}, which is not installed",
+        }
+        for name, package in absent.items()
+        for dtype in DTYPES
+    ]
+    return [name for name in GPU_KERNELS if name not in absent], lines
+
+
+def write(lines: list[dict[str, Any]], out: Path | None) -> None:
+    """Each line as JSON on stdout, and appended to `out` too."""
+    for line in lines:
+        text = json.dumps(line)
+        print(text)
+        if out:
+            with out.open("a") as file:
+                file.write(text + "\n")
+
+
 def untested(probes: list[dict[str, Any]], junit: ElementTree.Element) -> list[str]:
     """`kernel dtype` of each available probe whose test cases (by their parameters, e.g.
     `test_kernels_match_reference[bfloat16-mega-torch_flash_attn]`) are all skipped or absent."""
@@ -128,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kernel", nargs="?", choices=sorted(GPU_KERNELS))
     parser.add_argument("--out", type=Path, help="appends the lines here too")
+    parser.add_argument("--plan", action="store_true", help="the kernels to probe (see above)")
     parser.add_argument("--untested", nargs=2, type=Path, metavar=("PROBES", "JUNIT_XML"))
     args = parser.parse_args(argv)
     if args.untested:
@@ -136,15 +182,16 @@ def main(argv: list[str] | None = None) -> None:
         for line in missing:
             print(f"available but untested (its tests skipped): {line}")
         sys.exit(1 if missing else 0)
+    if args.plan:
+        to_probe, absent = plan()
+        with contextlib.redirect_stdout(sys.stderr):
+            write(absent, args.out)
+        print(*to_probe)
+        return
     if args.kernel is None:
-        parser.error("name a kernel, or --untested")
-    lines = [probe(args.kernel, dtype) for dtype in ("bfloat16", "float16")]
-    for line in lines:
-        text = json.dumps(line)
-        print(text)
-        if args.out:
-            with args.out.open("a") as out:
-                out.write(text + "\n")
+        parser.error("name a kernel, --plan or --untested")
+    lines = [probe(args.kernel, dtype) for dtype in DTYPES]
+    write(lines, args.out)
     sys.exit(1 if any(line["status"] == "failed" for line in lines) else 0)
 
 

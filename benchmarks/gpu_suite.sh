@@ -27,7 +27,8 @@
 #   versions 30   driver, GPU, torch, CUDA, cuda-bindings, flash-attn, flashinfer, nvcc
 #   gpu           is there a GPU? (none: the suite stops here, status 0 unless a step failed)
 #   kernels 180   each GPU kernel built and run once in bfloat16 and float16, in a process of
-#                 its own (benchmarks.gpu_probe): kernels.jsonl, with build and first-call seconds
+#                 its own (benchmarks.gpu_probe; one whose library is not installed is recorded as
+#                 unavailable without one): kernels.jsonl, with build and first-call seconds
 #   sdpa 60       torch SDPA's backend choice and first-call cost at new lengths, cuDNN allowed,
 #                 excluded (as the engine calls it) and alone (benchmarks.gpu_sdpa_backends)
 #   model 150     the random-weight models (nothing to download) generating on CUDA through
@@ -162,9 +163,9 @@ load_libraries() {
 }
 
 build() {
-    # The Makefile's rules with $PYTHON's torch; -o: never the Makefile's CPU venv (.venv/.installed),
+    # The Makefile's rules with $PYTHON's torch; -o: never the Makefile's CPU venv (.venv/.torch),
     # whose rule would install torch from the network.
-    local make_args=(--no-print-directory -j"$(nproc 2>/dev/null || echo 4)" -o .venv/.installed PY="$PYTHON")
+    local make_args=(--no-print-directory -j"$(nproc 2>/dev/null || echo 4)" -o .venv/.torch PY="$PYTHON")
     command -v make >/dev/null || {
         echo "make is not installed (it and a C/C++ compiler build the native libraries)"
         return 1
@@ -231,7 +232,7 @@ results_folder="$results/$(tail -n 1 "$out/gpu.txt")" # paper_repro/results/<dev
 probe_all() {
     local kernel code=0
     : >"$out/kernels.jsonl"
-    for kernel in $("$PYTHON" -c 'from benchmarks.gpu_probe import GPU_KERNELS; print(*GPU_KERNELS)'); do
+    for kernel in $("$PYTHON" -m benchmarks.gpu_probe --plan --out "$out/kernels.jsonl"); do
         timeout --kill-after=5 "${PROBE_TIMEOUT:-60}" $GPU_PYTHON -m benchmarks.gpu_probe "$kernel" \
             --out "$out/kernels.jsonl" || code=1
     done
