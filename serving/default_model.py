@@ -95,8 +95,11 @@ def _convert(gguf: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    from serving.model.loader import gguf_parsed_once
+
+    with gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     if getattr(model, "hf_quantizer", None) is not None:  # save_pretrained refuses a quantized config
         model.hf_quantizer.remove_quantization_config(model)
     model.save_pretrained(target)

@@ -42,12 +42,14 @@ def pytest_configure(config: pytest.Config) -> None:
 SLOWEST_FILES = (
     "test_engine.py",
     "test_gpu_suite.py",
-    "test_kernels.py",
     "test_cuda_dry_run.py",
-    "test_gguf.py",
-    "test_memory_safety.py",
-    "test_server_load.py",
+    "test_kernels.py",
+    "test_replicas.py",
+    "test_cli.py",
+    "test_server_api.py",
     "test_fake_cuda_bites.py",
+    "test_api_parity.py",
+    "test_memory_safety.py",
 )
 """The files that took longest on a 2-core VM (`pytest --durations`): `make test`'s workers take
 files in collection order as they free up, so these go first and the workers finish together."""

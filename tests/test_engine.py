@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from serving import LLM, SamplingParams
 from serving.default_model import ensure_default_model
@@ -46,15 +46,18 @@ def llm() -> Iterator[LLM]:
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(llm: LLM) -> list[list[int]]:
-    """HF generate's greedy tokens for PROMPTS, one prompt at a time, fp32."""
+def hf_greedy() -> list[list[int]]:
+    """HF generate's greedy tokens for PROMPTS, fp32, each row cut after its end-of-sequence
+    token: one left-padded batch (on these prompts, the tokens each gives alone; 4x faster)."""
     model = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model(), padding_side="left")
+    eos = model.generation_config.eos_token_id
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        generated = model.generate(**batch, max_new_tokens=32, do_sample=False, pad_token_id=eos)
     outputs = []
-    for prompt in PROMPTS:
-        ids = llm.tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.inference_mode():
-            generated = model.generate(ids, max_new_tokens=32, do_sample=False)
-        outputs.append(generated[0, ids.shape[1] :].tolist())
+    for row in generated[:, batch.input_ids.shape[1] :].tolist():
+        outputs.append(row[: row.index(eos) + 1] if eos in row else row)
     return outputs
 
 
