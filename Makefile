@@ -123,14 +123,17 @@ repro: setup
 # The Python packages `vattn serve` needs that the lent GPU machine's image lacks (it has torch,
 # transformers, tokenizers, cuda-bindings), as CPython 3.12 x86-64 wheels in .whl/ (about 7 MiB),
 # at the versions this venv tests; benchmarks/gpu_suite.sh installs them there with --no-index.
+# Then the suite runs through here on the fakes (tests/test_gpu_suite.py in full, ~2 minutes;
+# `make test` runs only its quick checks), so a lent quarter hour never finds it broken.
 GPU_WHEELS := fastapi starlette pydantic pydantic-core annotated-types annotated-doc typing-inspection \
 	typing-extensions uvicorn llguidance msgspec pyzmq opentelemetry-api
 GPU_PLATFORMS := $(foreach n,17 24 26 27 28 31 34 35,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
-gpu-wheels: $(STAMP)
+gpu-wheels: setup
 	rm -rf .whl && mkdir -p .whl
 	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		$(GPU_PLATFORMS) -d .whl $$($(PY) -m pip list --format=freeze | grep -iE '^($(subst -,[-_],$(subst $(eval) ,|,$(GPU_WHEELS))))==')
 	@ls .whl | wc -l | xargs echo "wheels in .whl/:"; du -sh .whl
+	VATTN_GPU_SUITE=1 $(PY) -m pytest -q tests/test_gpu_suite.py
 
 clean:
 	rm -rf $(VENV) $(NATIVE) $(OPS) $(FAKE_CUDA) build/ops .pytest_cache

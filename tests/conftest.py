@@ -41,7 +41,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 SLOWEST_FILES = (
     "test_engine.py",
-    "test_gpu_suite.py",
     "test_cuda_dry_run.py",
     "test_kernels.py",
     "test_replicas.py",
