@@ -122,9 +122,8 @@ def library(name: str) -> str | None:
 
 def plan() -> tuple[list[str], list[dict[str, Any]]]:
     """The kernels to probe, and the lines of those whose package is not installed."""
-    absent = {
-        name: library(name) for name in GPU_KERNELS if library(name) and not importlib.util.find_spec(library(name))
-    }
+    needs = {name: library(name) for name in GPU_KERNELS}
+    absent = {name: package for name, package in needs.items() if package and not importlib.util.find_spec(package)}
     lines = [
         {
             "kernel": name,

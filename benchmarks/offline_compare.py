@@ -89,10 +89,6 @@ SYSTEMS = (
     System("vattn-default", "defaults", vattn_config="default"),
     System("vattn-fp32", "fp32", vattn_config="fp32"),
     System("vattn-f16kv", "fp32-narrowkv", vattn_config="f16kv"),
-    # The default model's GGUF as stored: its Q4_1 weights, which the fp32 model is dequantized
-    # from, widened in the kernel and multiplied in float32.
-    System("vattn-gguf", "fp32", vattn_config="gguf"),
-    System("vattn-gguf-f16kv", "fp32-narrowkv", vattn_config="gguf16kv"),
     System("vattn-bf16", "bf16", vattn_config="bf16"),
     System("vattn-bf16w", "bf16", vattn_config="bf16w"),
     System("vattn-w8", "int8", vattn_config="w8"),

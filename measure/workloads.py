@@ -22,7 +22,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "f16kv": {"dtype": "float32", "kv_cache_dtype": "float16"},  # fp32 weights and compute, f16 KV
     "int8kv": {"dtype": "float32", "kv_cache_dtype": "int8"},  # fp32 weights, int8 KV with per-token-head scales
     "gguf": {"dtype": "float32", "quantization": "gguf"},
-    "gguf16kv": {"dtype": "float32", "quantization": "gguf", "kv_cache_dtype": "float16"},  # the GGUF, f16 KV
     "bf16w": {"dtype": "float32", "quantization": "bf16"},
     "bf16": {"dtype": "bfloat16"},
     "bf16kv8": {"dtype": "bfloat16", "kv_cache_dtype": "int8"},  # a bfloat16 model over an int8 KV cache

@@ -55,10 +55,8 @@ def hf_greedy() -> list[list[int]]:
     batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     with torch.inference_mode():
         generated = model.generate(**batch, max_new_tokens=32, do_sample=False, pad_token_id=eos)
-    outputs = []
-    for row in generated[:, batch.input_ids.shape[1] :].tolist():
-        outputs.append(row[: row.index(eos) + 1] if eos in row else row)
-    return outputs
+    rows = generated[:, batch.input_ids.shape[1] :].tolist()
+    return [row[: row.index(eos) + 1] if eos in row else row for row in rows]
 
 
 def run_staggered(llm: LLM, prompts: list[str], params: SamplingParams) -> list[list[int]]:
