@@ -31,6 +31,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "paired_weight.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 // GCC 12 warns that the AVX-512 intrinsics' internal _mm512_undefined_*() "is" or "may be" used
@@ -308,21 +310,7 @@ at::Tensor paired_linear(const at::Tensor& x, const at::Tensor& weight, const at
               "int8 activations run on AVX-512 VNNI with 8-bit weights (quads) only");
   TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
               "paired_linear needs AVX2 and FMA, which this CPU lacks: use grouped_linear");
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "x must be a float32 CPU tensor");
-  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kTile && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "scales must be contiguous float32 [tiles, groups, 16]");
-  const int64_t tiles = scales.size(0), groups = scales.size(1), out = tiles * kTile, in = groups * kGroup;
-  const int64_t bytes = bits == 8 ? Int8Pairs::kBytes : NibblePairs::kBytes;
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == tiles * groups * kPairs * bytes &&
-                  (weight.scalar_type() == at::kByte || weight.scalar_type() == at::kChar),
-              "weight must be contiguous uint8/int8 with ", tiles * groups * kPairs * bytes, " bytes");
-  TORCH_CHECK((bits == 4) == mins.has_value(), "4-bit weights have mins, 8-bit ones none");
-  TORCH_CHECK(!mins || (mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->sizes() == scales.sizes()),
-              "mins must be contiguous float32 [tiles, groups, 16]");
-  TORCH_CHECK(x.size(-1) == in, "x's last dimension must be the weight's ", in, " inputs, got ", x.size(-1));
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == out && bias->is_contiguous()),
-              "bias must be float32 [out]");
+  const auto [tiles, groups, out, in] = check_paired_weight(x, weight, scales, mins, bias, bits);
   const at::Tensor rows = x.reshape({-1, in}).contiguous();
   const int64_t m = rows.size(0);
   at::Tensor result = at::empty({m, out}, rows.options());

@@ -27,6 +27,7 @@
 #include <string>
 #include <type_traits>
 
+#include "float_tiles.h"
 #include "widest_simd.h"
 
 #if defined(__x86_64__)
@@ -109,49 +110,12 @@ void tile_range(int64_t count, const uint32_t* x, int64_t steps, const T* weight
       run<1, kRows, T>(std::min(kRows, count - r), x + r * steps, steps, weight, bias, out + r * out_row, out_row, t);
 }
 
-// The AVX2 body, float32 only (bf16 pairs need AVX512_BF16): a tile's 16 outputs are two 8-float
-// vectors, so with 16 registers a block holds kAvx2Rows rows' 12 accumulators beside the tile's
-// two weight vectors and the broadcast input.
-constexpr int64_t kAvx2Rows = 6;
-
-template <int64_t M>
-__attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t steps, const float* weight,
-                                                   const float* bias, float* out, int64_t out_row, int64_t t) {
-  const float* w = weight + t * steps * kTile;
-  const __m256 low_bias = bias ? _mm256_loadu_ps(bias + t * kTile) : _mm256_setzero_ps();
-  const __m256 high_bias = bias ? _mm256_loadu_ps(bias + t * kTile + 8) : _mm256_setzero_ps();
-  __m256 low[M], high[M];
-  for (int64_t m = 0; m < M; ++m) low[m] = low_bias, high[m] = high_bias;
-  for (int64_t s = 0; s < steps; ++s) {
-    const float* vector = w + s * kTile;
-    _mm_prefetch(reinterpret_cast<const char*>(vector) + kAheadBytes, _MM_HINT_T0);
-    const __m256 low_weights = _mm256_loadu_ps(vector), high_weights = _mm256_loadu_ps(vector + 8);
-    for (int64_t m = 0; m < M; ++m) {
-      const __m256 input = _mm256_set1_ps(x[m * steps + s]);
-      low[m] = _mm256_fmadd_ps(input, low_weights, low[m]);
-      high[m] = _mm256_fmadd_ps(input, high_weights, high[m]);
-    }
-  }
-  for (int64_t m = 0; m < M; ++m) {
-    _mm256_storeu_ps(out + m * out_row + t * kTile, low[m]);
-    _mm256_storeu_ps(out + m * out_row + t * kTile + 8, high[m]);
-  }
-}
-
-template <int64_t M>
-void run_avx2(int64_t rows, const float* x, int64_t steps, const float* weight, const float* bias, float* out,
-              int64_t out_row, int64_t t) {
-  if constexpr (M > 1)
-    if (rows < M) return run_avx2<M - 1>(rows, x, steps, weight, bias, out, out_row, t);
-  tile_avx2<M>(x, steps, weight, bias, out, out_row, t);
-}
-
+// The AVX2 body, float32 only (bf16 pairs need AVX512_BF16): native/float_tiles.h.
 void tile_range_avx2(int64_t count, const float* x, int64_t steps, const float* weight, const float* bias, float* out,
                      int64_t out_row, int64_t begin, int64_t end) {
   for (int64_t t = begin; t < end; ++t)
-    for (int64_t r = 0; r < count; r += kAvx2Rows)
-      run_avx2<kAvx2Rows>(std::min(kAvx2Rows, count - r), x + r * steps, steps, weight, bias, out + r * out_row,
-                          out_row, t);
+    float_tiles::tile_avx2(count, x, steps, weight + t * steps * kTile, bias ? bias + t * kTile : nullptr,
+                           out + t * kTile, out_row);
 }
 #endif
 

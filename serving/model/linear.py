@@ -18,8 +18,10 @@
   AVX-512 (`vattn::paired_linear`) activations are quantized per group of 32 to int16 (an
   error under 1/65534 of the group's largest, well below bfloat16's rounding) and multiplied
   in int16 with int32 sums: on VNNI twice float32's multiply-adds per instruction, on AVX2
-  float32's rate without widening each weight to float. Where outputs do not fill tiles of
-  16, or on CPUs without AVX2, `vattn::grouped_linear` multiplies in float32. The kernels
+  float32's rate without widening each weight to float (calls of more rows, prompts, widen
+  each tile of 16 outputs to float32 once and multiply in float32: `vattn::widened_linear`).
+  Where outputs do not fill tiles of 16, or on CPUs without AVX2, `vattn::grouped_linear`
+  multiplies in float32. The kernels
   are chosen from the CPU's flags as torch chooses its own (`ATEN_CPU_CAPABILITY=avx2`
   forces the AVX2 paths). Both also run a GGUF's Q8_0, Q4_0 and Q4_1 weights as stored.
 - `q8_0`: llama.cpp's Q8_0 arithmetic: the same weights, and activations quantized per group
@@ -177,12 +179,20 @@ class Int8Linear:
 PAIRED_KERNELS = ("int8_vnni", "int16_vnni", "int16_avx2")
 """vattn::paired_linear's bodies (grouped_linear's: `avx512`, `avx2`, `scalar`)."""
 
+INT16_ROWS = 8
+"""On AVX2 (`int16_avx2`), the most rows a call multiplies in int16 (vattn::paired_linear);
+more go to vattn::widened_linear, which widens each tile of the weight to float32 once and
+multiplies in float32: the dequantized weights' float32 product, 1.1-1.3x the int16 kernel's
+speed from 16 rows on, where the few rows' int16 reads of the weight are up to 2x faster
+(benchmarks/results/avx2/stored_rows.*)."""
+
 
 class GroupedLinear:
     """`x @ W.T + b` on a GroupedWeight; activations arrive and leave in float32. Where
     paired_kernels() names a body (AVX-512 VNNI, AVX2) and the outputs fill tiles of TILE, the
-    weight is held paired (PairedWeight) and every call runs vattn::paired_linear; elsewhere
-    vattn::grouped_linear (`avx512`, `avx2` or `scalar`) on the weight as given."""
+    weight is held paired (PairedWeight) and calls run vattn::paired_linear (on AVX2, those of
+    more than INT16_ROWS rows vattn::widened_linear); elsewhere vattn::grouped_linear (`avx512`,
+    `avx2` or `scalar`) on the weight as given."""
 
     def __init__(
         self,
@@ -215,7 +225,7 @@ class GroupedLinear:
         """Whether grouped_linear's calls of many rows (prompts) multiply in bfloat16: on
         AVX512_BF16, ~3x float32 at bf16's rounding (decoding rows stay float32)."""
         ops = vattn_ops()
-        self._paired, self._grouped = ops.paired_linear, ops.grouped_linear
+        self._paired, self._grouped, self._widened = ops.paired_linear, ops.grouped_linear, ops.widened_linear
 
     @classmethod
     def quantized_int8(
@@ -237,7 +247,9 @@ class GroupedLinear:
 
     def __call__(self, x: Tensor) -> Tensor:
         w, simd = self.weight, self.kernels
-        if isinstance(w, PairedWeight):
+        if isinstance(w, PairedWeight) and simd == "int16_avx2" and x.numel() > INT16_ROWS * x.shape[-1]:
+            out = self._widened(x.float(), w.data, w.scales, w.mins, self.bias, w.bits)
+        elif isinstance(w, PairedWeight):
             vnni = simd in ("int8_vnni", "int16_vnni")
             out = self._paired(x.float(), w.data, w.scales, w.mins, self.bias, w.bits, vnni, w.activation_bits)
         else:

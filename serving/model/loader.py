@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from serving.model.gguf_weights import attach_gguf_weights
+from serving.model.gguf_weights import STORED_BLOCKS, attach_gguf_weights
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -32,7 +32,8 @@ class ModelShape:
 def load_model(path: str | Path, dtype: torch.dtype, gguf_weights: bool = False) -> tuple[Any, Any]:
     """A causal LM and its tokenizer from a safetensors folder or a GGUF file, or built on the
     spot for `synthetic:<name>` (serving.model.synthetic); with `gguf_weights`, a GGUF file's
-    projections also carry its quantized weights as stored."""
+    (or a folder converted from one: its STORED_BLOCKS) projections also carry its quantized
+    weights as stored."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from serving.model.synthetic import is_synthetic, load_synthetic
@@ -50,8 +51,8 @@ def load_model(path: str | Path, dtype: torch.dtype, gguf_weights: bool = False)
             supported = ", ".join(SUPPORTED_ARCHITECTURES)
             raise ValueError(f"model type {model.config.model_type!r} is not supported; supported: {supported}")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-        if gguf_weights and gguf_file is not None:
-            attach_gguf_weights(model, folder / gguf_file)
+        if gguf_weights:
+            attach_gguf_weights(model, folder / (gguf_file or STORED_BLOCKS))
     return model.eval(), tokenizer
 
 

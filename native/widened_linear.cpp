@@ -1,0 +1,109 @@
+// vattn::widened_linear: paired_linear's weights (8-bit, or 4-bit with mins, in groups of 32
+// inputs, stored tile by tile: serving.model.weights.PairedWeight) multiplied in float32, on AVX2.
+//
+// paired_linear quantizes the activations to int16 and multiplies in integers: float32's rate of
+// multiply-adds on AVX2, at a rounding of the activations. For many rows (a prompt) the weight's
+// widening costs next to nothing against the rows' multiply-adds, so this kernel widens each tile
+// of 16 outputs once to float32 (w = d * q + m, as GGUF's dequantization and transformers' compute
+// it: d * q is exact in float32, so the fused multiply-add rounds once, as they do), then runs
+// tiled_linear's float32 body (native/float_tiles.h) over every row. The product is then the
+// float32 one of the dequantized weights: a GGUF's blocks give its fp32 model's answers, at fp32's
+// speed for prompts and in the file's bytes.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "float_tiles.h"
+#include "paired_weight.h"
+
+namespace {
+
+constexpr int64_t kGroup = 32;  // inputs per scale
+constexpr int64_t kTile = 16;   // outputs per tile
+constexpr int64_t kPairs = kGroup / 2;
+
+#if defined(__x86_64__)
+#define AVX2 __attribute__((target("avx2,fma")))
+
+// One tile's weights as float32 `[groups * 32, 16]` from its paired bytes (`[groups, 16 pairs,
+// 16 outputs x 2 inputs]`, int8; or `[groups, 16 pairs, 16 outputs]`, a byte each, the pair's
+// first input in the low nibble) and its `[groups, 16]` scales (and mins).
+template <int64_t Bits>
+AVX2 void widen_tile(const uint8_t* weight, const float* scales, const float* mins, int64_t groups, float* tile) {
+  constexpr int64_t kBytes = Bits == 8 ? 2 * kTile : kTile;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7
+      const __m256 scale = _mm256_loadu_ps(scales + g * kTile + 8 * h);
+      const __m256 min = Bits == 4 ? _mm256_loadu_ps(mins + g * kTile + 8 * h) : _mm256_setzero_ps();
+      for (int64_t k = 0; k < kPairs; ++k) {
+        const uint8_t* pair = weight + (g * kPairs + k) * kBytes;
+        __m256i first, second;  // the pair's two inputs' q for the 8 outputs, int32
+        if constexpr (Bits == 8) {
+          // Each int32 lane: the first input's q in its low int16, the second's in its high one.
+          const __m256i both = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 16 * h)));
+          first = _mm256_srai_epi32(_mm256_slli_epi32(both, 16), 16);
+          second = _mm256_srai_epi32(both, 16);
+        } else {
+          const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair + 8 * h)));
+          first = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
+          second = _mm256_srli_epi32(bytes, 4);
+        }
+        float* row = tile + (g * kGroup + 2 * k) * kTile + 8 * h;
+        if constexpr (Bits == 8) {
+          _mm256_storeu_ps(row, _mm256_mul_ps(_mm256_cvtepi32_ps(first), scale));
+          _mm256_storeu_ps(row + kTile, _mm256_mul_ps(_mm256_cvtepi32_ps(second), scale));
+        } else {
+          _mm256_storeu_ps(row, _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), scale, min));
+          _mm256_storeu_ps(row + kTile, _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), scale, min));
+        }
+      }
+    }
+}
+#endif
+
+at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits) {
+#if defined(__x86_64__)
+  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+              "widened_linear needs AVX2 and FMA, which this CPU lacks: use grouped_linear");
+  const auto [tiles, groups, out, in] = check_paired_weight(x, weight, scales, mins, bias, bits);
+  const int64_t bytes = bits == 8 ? 2 * kTile : kTile;  // a pair of inputs of the tile's 16 outputs
+  const at::Tensor rows = x.reshape({-1, in}).contiguous();
+  const int64_t m = rows.size(0);
+  at::Tensor result = at::empty({m, out}, rows.options());
+  if (m > 0)
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> tile(in * kTile);
+      const auto* bytes_of = static_cast<const uint8_t*>(weight.const_data_ptr());
+      const float *scale_of = scales.const_data_ptr<float>(), *min_of = mins ? mins->const_data_ptr<float>() : nullptr;
+      for (int64_t t = begin; t < end; ++t) {
+        const uint8_t* tile_bytes = bytes_of + t * groups * kPairs * bytes;
+        const float* tile_mins = min_of ? min_of + t * groups * kTile : nullptr;
+        if (bits == 8)
+          widen_tile<8>(tile_bytes, scale_of + t * groups * kTile, tile_mins, groups, tile.data());
+        else
+          widen_tile<4>(tile_bytes, scale_of + t * groups * kTile, tile_mins, groups, tile.data());
+        float_tiles::tile_avx2(m, rows.const_data_ptr<float>(), in, tile.data(),
+                               bias ? bias->const_data_ptr<float>() + t * kTile : nullptr,
+                               result.mutable_data_ptr<float>() + t * kTile, out);
+      }
+    });
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out;
+  return result.view(shape);
+#else
+  (void)x, (void)weight, (void)scales, (void)mins, (void)bias, (void)bits;
+  TORCH_CHECK(false, "widened_linear needs AVX2 (x86-64): use grouped_linear");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vattn, m) {
+  m.def("widened_linear(Tensor x, Tensor weight, Tensor scales, Tensor? mins, Tensor? bias, int bits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vattn, CPU, m) { m.impl("widened_linear", &widened_linear); }
