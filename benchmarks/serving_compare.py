@@ -65,6 +65,7 @@ from measure.results import (
 from measure.streams import Timing, http_client, one_request, summarize
 from measure.workloads import random_word_prompts
 from serving.default_model import DEFAULT_MODEL, cache_dir, default_model_dir
+from serving.model.cpu_features import bf16_native
 from vattn.sizes import MiB
 
 matplotlib.use("Agg")
@@ -366,9 +367,16 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return found
 
 
+def default_peers() -> set[str]:
+    """The peers that run at their project's default on this CPU: vLLM's CPU build computes in
+    bf16 where the CPU does bf16 natively (AVX512_BF16, AMX), in fp32 elsewhere."""
+    return {"vllm-bf16" if bf16_native() else "vllm"}
+
+
 def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each vattn system against each peer of its precision class, level by level: the ratio of
-    their tokens/s round by round (the rounds both completed), its median and range."""
+    """Each vattn system against each peer of its precision class, and vattn's default against
+    each peer's default (`defaults`), level by level: the ratio of their tokens/s round by round
+    (the rounds both completed), its median and range."""
     speed = {(r["system"], r["concurrency"], r["round"]): r["output_tokens_per_s"] for r in rows}
     classes = {r["system"]: r["precision"] for r in rows}
     pairs = [
@@ -378,6 +386,8 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for peer, theirs in classes.items()
         if theirs == precision and not peer.startswith("vattn")
     ]
+    # Each at its defaults: vattn's against the peer's own default on this CPU.
+    pairs += [("vattn-default", peer) for peer in default_peers() if {"vattn-default", peer} <= classes.keys()]
     found = []
     for ours, peer in pairs:
         for concurrency in dict.fromkeys(r["concurrency"] for r in rows):
@@ -386,8 +396,9 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ratios = ratio_range(
                     [speed[ours, concurrency, r] for r in rounds], [speed[peer, concurrency, r] for r in rounds]
                 )
+                precision = classes[ours] if classes[ours] == classes[peer] else "defaults"
                 found.append(
-                    {"system": ours, "peer": peer, "precision": classes[ours], "concurrency": concurrency}
+                    {"system": ours, "peer": peer, "precision": precision, "concurrency": concurrency}
                     | {"rounds": len(rounds)}
                     | ratios
                 )

@@ -112,12 +112,16 @@ def serving_compare(results: dict[str, Any]) -> str:
 
 
 def serving_ratios(results: dict[str, Any]) -> str:
-    """Each vattn system against each peer of its class, level by level: the tokens/s ratio round
-    by round, its median and range."""
-    lines = ["| vattn | against | requests in flight | tokens/s ratio, median | range |", "|---|---|---|---|---|"]
+    """Each vattn system against each peer of its class (and vattn's default against the peer's,
+    `defaults`), level by level: the tokens/s ratio round by round, its median and range."""
+    lines = [
+        "| vattn | against | class | requests in flight | tokens/s ratio, median | range |",
+        "|---|---|---|---|---|---|",
+    ]
     for ratio in results["comparisons"]:
         lines.append(
-            f"| {ratio['system']} | {ratio['peer']} | {ratio['concurrency']} | {ratio['median']:.2f}x | "
+            f"| {ratio['system']} | {ratio['peer']} | {ratio['precision']} | {ratio['concurrency']} | "
+            f"{ratio['median']:.2f}x | "
             f"{ratio['min']:.2f}-{ratio['max']:.2f} |"
         )
     return "\n".join(lines) + "\n"
