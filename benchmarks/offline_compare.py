@@ -165,6 +165,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--systems", default=",".join(s.name for s in SYSTEMS))
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--name", default="offline_compare", help="results file stem")
     parser.add_argument(
         "--model",
         help="vattn's model (default: the default model); e.g. synthetic:smollm2, its shape with random weights, "
@@ -288,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         done = {"rounds_done": min(map(len, rounds.values()), default=0)}
         payload = {"command": command_line(), "machine": machine, "workload": workload | done, "rows": rows}
         payload |= {"comparisons": ratios, "peer_versions": peer_versions}
-        _, json_path, png_path = write_results(args.out, "offline_compare", rows, payload)
+        _, json_path, png_path = write_results(args.out, args.name, rows, payload)
         if rows:
             plot(rows, png_path)
         return rows, ratios, json_path

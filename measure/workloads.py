@@ -12,7 +12,7 @@ import torch
 
 from measure.results import REPO_ROOT
 from serving import LLM
-from serving.default_model import default_gguf, ensure_default_model
+from serving.default_model import ensure_default_model
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"},
@@ -25,17 +25,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bf16w": {"dtype": "float32", "quantization": "bf16"},
     "bf16": {"dtype": "bfloat16"},
     "bf16kv8": {"dtype": "bfloat16", "kv_cache_dtype": "int8"},  # a bfloat16 model over an int8 KV cache
-    "default": {},  # dtype auto: bfloat16 where the CPU multiplies bf16 natively, else fp32
+    "default": {},  # dtype auto: bfloat16 where the CPU multiplies bf16 natively, else fp32 on the GGUF's blocks
 }
 
 
 def engine_options(name: str) -> dict[str, Any]:
-    """`LLM` keyword arguments of configuration `name`: `gguf` serves the default model's GGUF
-    file (Q4_1 layers, a Q8_0 head) as stored, the others its safetensors folder."""
-    options = dict(CONFIGS[name])
-    if options.get("quantization") == "gguf":
-        options["model"] = str(default_gguf())
-    return options
+    """`LLM` keyword arguments of configuration `name`, on the default model's folder (`gguf`:
+    the blocks of its GGUF file, Q4_1 layers and a Q8_0 head, that the folder keeps)."""
+    return dict(CONFIGS[name])
 
 
 WORDS = [
