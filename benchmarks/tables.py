@@ -232,8 +232,28 @@ def few_rows(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def stored_rows(results: dict[str, Any]) -> str:
+    """Q4_1 projections as stored (int16, widened and GroupedLinear's choice) against the float32
+    model's, per row count: medians of the rounds, and the speed ratios round by round."""
+    machine = results["machine"]
+    lines = [
+        f"{machine['cpu_model']}, {machine['nproc']} cores; {results['rounds']} alternating rounds; "
+        f"commit {machine['git_commit'][:7]}; `{results['command']}`",
+        "",
+        "| rows | int16 ms | widened ms | float32 ms | takes | its speed / float32's, median (range) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        lines.append(
+            f"| {row['rows']} | {row['int16_ms']:.1f} | {row['widened_ms']:.1f} | {row['float32_ms']:.1f} | "
+            f"{row['chosen']} | {row['chosen_vs_float32']:.2f}x ({row['chosen_min']:.2f}-{row['chosen_max']:.2f}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "few_rows": few_rows,
+    "avx2/stored_rows": stored_rows,
     "avx2/few_rows": few_rows,
     "quality_bf16": quality,
     "quality_kv_f16": quality,

@@ -9,7 +9,7 @@ import torch
 
 from serving import LLM, SamplingParams
 from serving.config import EngineConfig
-from serving.default_model import default_gguf
+from serving.default_model import default_gguf, default_model_dir
 from serving.model.gguf_weights import unpermute_order
 from serving.model.linear import GroupedLinear
 from serving.model.runner import QuantizedEmbedding
@@ -72,5 +72,7 @@ def test_gguf_quantization_needs_a_gguf_file_or_its_blocks(tmp_path: Path) -> No
     with pytest.raises(ValueError, match=r"which holds none: pass a \.gguf file as the model"):
         EngineConfig(model=str(tmp_path), quantization="gguf")
     assert EngineConfig(quantization="gguf").quantization == "gguf"  # the default model keeps its GGUF's blocks
+    # ... below its folder's top, where vLLM would load every .safetensors file as the model's weights
+    assert [path.name for path in default_model_dir().glob("*.safetensors")] == ["model.safetensors"]
     assert EngineConfig(dtype="float32").quantization == "none"
     assert EngineConfig(model="/models/x.gguf").quantization == "gguf"

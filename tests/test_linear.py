@@ -282,6 +282,20 @@ def test_widened_kernel_is_the_float32_product_of_the_dequantized_weights(rows: 
     assert torch.equal(got, vattn_ops().tiled_linear(x, tiles, bias))
 
 
+@NEEDS_PAIRED
+def test_widened_kernel_refuses_what_it_cannot_run() -> None:
+    ops, stored = vattn_ops(), PairedWeight.of(GroupedWeight.quantize_int8(torch.randn(16, 2 * INPUTS_PER_SCALE)))
+    assert ops.widened_linear(torch.zeros(0, 64), stored.data, stored.scales, None, None, 8).shape == (0, 16)
+    with pytest.raises(RuntimeError, match="x's last dimension must be the weight's 64 inputs, got 32"):
+        ops.widened_linear(torch.randn(2, 32), stored.data, stored.scales, None, None, 8)
+    with pytest.raises(RuntimeError, match="weight must be contiguous uint8/int8 with 512 bytes"):
+        ops.widened_linear(torch.randn(2, 64), stored.data, stored.scales, stored.scales, None, 4)
+    with pytest.raises(RuntimeError, match="x must be a float32 CPU tensor"):
+        ops.widened_linear(torch.randn(2, 64).double(), stored.data, stored.scales, None, None, 8)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        ops.widened_linear(torch.randn(2, 64), stored.data, stored.scales, None, torch.zeros(15), 8)
+
+
 @pytest.mark.skipif(paired_kernels() != "int16_avx2", reason="the widened body takes prompts on AVX2 only")
 def test_avx2_runs_prompts_widened_and_decoding_rows_in_int16() -> None:
     torch.manual_seed(3)

@@ -28,10 +28,11 @@ PERMUTED_ARCHITECTURES = ("llama", "mistral")
 """Whose q and k rows llama.cpp's converter permutes (Qwen2's it leaves alone)."""
 
 
-STORED_BLOCKS = "gguf_blocks.safetensors"
+STORED_BLOCKS = "gguf_blocks/blocks.safetensors"
 """A folder converted from a GGUF keeps the file's blocks here (serving.default_model writes
 it): `gguf` then serves the folder without parsing the GGUF's header at each start (10 s in the
-gguf package for the default model's 49k-token vocabulary)."""
+gguf package for the default model's 49k-token vocabulary). In a subfolder: vLLM loads every
+.safetensors file at the folder's top as the model's weights."""
 
 
 def has_stored_blocks(model: str | None) -> bool:
@@ -44,7 +45,7 @@ def attach_gguf_weights(model: Any, path: Path) -> int:
     """Sets `grouped_weight` on the token embedding and every projection of `model` whose tensor
     the GGUF file at `path` (or a converted folder's STORED_BLOCKS) holds in a supported quantized
     type, and returns how many tensors that is; the others keep their dequantized weights."""
-    blocks = load_blocks(path) if path.name == STORED_BLOCKS else file_blocks(model, path)
+    blocks = load_blocks(path) if path.suffix == ".safetensors" else file_blocks(model, path)
     config = model.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -90,6 +91,7 @@ def save_blocks(blocks: dict[str, GroupedWeight], folder: Path) -> None:
         tensors |= {f"{name}.data": weight.data, f"{name}.scales": weight.scales}
         if weight.mins is not None:
             tensors[f"{name}.mins"] = weight.mins
+    (folder / STORED_BLOCKS).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / STORED_BLOCKS)
 
 
