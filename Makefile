@@ -78,7 +78,7 @@ build/ops/torch_headers.h.gch: native/torch_headers.h Makefile $(TORCH_STAMP)
 	@mkdir -p $(@D)
 	TORCH=$(TORCH_DIR); c++ $(OPS_FLAGS) -x c++-header -o $@ $<
 
-build/ops/%.o: native/%.cpp native/narrow_floats.h native/fast_exp.h native/widest_simd.h native/float_tiles.h native/paired_weight.h native/attention_simd.h native/attention_bf16_dots.h build/ops/torch_headers.h.gch Makefile $(TORCH_STAMP)
+build/ops/%.o: native/%.cpp native/narrow_floats.h native/fast_exp.h native/widest_simd.h native/float_tiles.h native/paired_weight.h native/attention_avx2.h native/attention_avx512.h native/attention_bf16_dots.h build/ops/torch_headers.h.gch Makefile $(TORCH_STAMP)
 	@mkdir -p $(@D)
 	TORCH=$(TORCH_DIR); c++ $(OPS_FLAGS) -Ibuild/ops -Inative -include torch_headers.h -c -o $@ $<
 

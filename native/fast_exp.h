@@ -1,6 +1,6 @@
 // Cephes' expf: e^x = 2^k * e^r with |r| <= ln2/2 and a degree-5 polynomial for e^r (about
 // 1e-7 relative error). The attention kernel's SIMD bodies evaluate it with intrinsics
-// (attention_simd.h); `fast_exp` is the same sum written one float at a time, branch-free, so
+// (attention_avx2.h, attention_avx512.h); `fast_exp` is the same sum written one float at a time, branch-free, so
 // that loops over it vectorize at the build's baseline ISA.
 #pragma once
 

@@ -149,7 +149,8 @@ struct ScalarMath {
 };
 
 #if defined(__x86_64__)
-#include "attention_simd.h"
+#include "attention_avx2.h"
+#include "attention_avx512.h"
 #include "attention_bf16_dots.h"
 #endif
 

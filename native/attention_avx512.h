@@ -1,125 +1,11 @@
-// The ragged kernel's x86 bodies: AVX2 (Avx2Math) and AVX-512 (Avx512Math), each with its exp,
-// widening of 16-bit and int8 rows, scores (one lane by a transposing tree over a block's keys;
-// a few lanes at once, dots_few; many lanes over a transposed block) and value sums. Included
-// by ragged_attention.cpp inside its namespace, after kBlock and before attention_bf16_dots.h,
-// which extends Avx512Math.
+// The ragged kernel's AVX-512 body (Avx512Math), as attention_avx2.h's with 16 floats a vector:
+// its exp, widening, scores (dots_few for a decode's few lanes, a transposed 16 x 16 block for
+// many) and value sums. Included by ragged_attention.cpp after attention_avx2.h and before
+// attention_bf16_dots.h, which extends it.
 #pragma once
 
-// exp is Cephes' expf (fast_exp.h); x is a score minus its row's maximum, so <= 0, and is
-// clamped where 2^k would leave float's normal range (e^-87 is 1.6e-38: nothing a softmax
-// sum notices).
-
-struct Avx2Math {
-  __attribute__((target("avx2,fma,f16c"))) static void widen(const c10::Half* const* rows, int64_t n, int64_t dim,
-                                                            float* dst) {
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < dim; d += 8) {
-        const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + d));
-        _mm256_storeu_ps(dst + j * dim + d, _mm256_cvtph_ps(half));
-      }
-  }
-  __attribute__((target("avx2,fma"))) static void widen(const c10::BFloat16* const* rows, int64_t n, int64_t dim,
-                                                       float* dst) {
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < dim; d += 8) {
-        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + d)));
-        _mm256_storeu_ps(dst + j * dim + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-      }
-  }
-  __attribute__((target("avx2,fma"))) static void widen(const int8_t* const* rows, const float* scales, int64_t n,
-                                                       int64_t dim, float* dst) {
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 scale = _mm256_set1_ps(scales[j]);
-      for (int64_t d = 0; d < dim; d += 8) {
-        const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[j] + d)));
-        _mm256_storeu_ps(dst + j * dim + d, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(wide)));
-      }
-    }
-  }
-  // out[i] = the sum of v[i]'s eight floats, for eight vectors: one transposing tree.
-  __attribute__((target("avx2,fma"))) static __m256 sum8(const __m256* v) {
-    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-  }
-  __attribute__((target("avx2,fma"))) static float sum(__m256 v) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-  }
-  __attribute__((target("avx2,fma"))) static __m256 exp(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2High), x);
-    x = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Low), x);
-    __m256 y = _mm256_set1_ps(kExpPoly[0]);
-    for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kExpPoly[i]));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127));
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
-  }
-  __attribute__((target("avx2,fma"))) static void dots(const float* q, const float* const* keys, int64_t n, int64_t dim,
-                                                       float* out) {
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-      __m256 sums[8];
-      for (int i = 0; i < 8; ++i) sums[i] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < dim; d += 8) {
-        const __m256 qd = _mm256_loadu_ps(q + d);
-        for (int i = 0; i < 8; ++i) sums[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[j + i] + d), sums[i]);
-      }
-      _mm256_storeu_ps(out + j, sum8(sums));
-    }
-    for (; j < n; ++j) {
-      __m256 total = _mm256_setzero_ps();
-      for (int64_t d = 0; d < dim; d += 8) total = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(keys[j] + d), total);
-      out[j] = sum(total);
-    }
-  }
-  __attribute__((target("avx2,fma"))) static float top(const float* s, int64_t count) {
-    __m256 best = _mm256_set1_ps(-INFINITY);
-    int64_t j = 0;
-    for (; j + 8 <= count; j += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(s + j));
-    __m128 half = _mm_max_ps(_mm256_castps256_ps128(best), _mm256_extractf128_ps(best, 1));
-    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-    float result = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
-    for (; j < count; ++j) result = std::max(result, s[j]);
-    return result;
-  }
-  __attribute__((target("avx2,fma"))) static float exp_sum(float* s, int64_t count, float top) {
-    const __m256 shift = _mm256_set1_ps(top);
-    const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t j = 0; j < count; j += 8) {
-      const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(count - j, 8))), index);
-      const __m256 e = exp(_mm256_sub_ps(_mm256_maskload_ps(s + j, live), shift));
-      _mm256_maskstore_ps(s + j, live, e);
-      total = _mm256_add_ps(total, _mm256_and_ps(e, _mm256_castsi256_ps(live)));
-    }
-    return sum(total);
-  }
-  __attribute__((target("avx2,fma"))) static void accumulate(float* acc, const float* p, const float* const* values,
-                                                             int64_t n, int64_t dim) {
-    int64_t d = 0;
-    for (; d + 32 <= dim; d += 32) {
-      __m256 a[4];
-      for (int i = 0; i < 4; ++i) a[i] = _mm256_loadu_ps(acc + d + 8 * i);
-      for (int64_t j = 0; j < n; ++j) {
-        const __m256 pj = _mm256_set1_ps(p[j]);
-        for (int i = 0; i < 4; ++i) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(values[j] + d + 8 * i), a[i]);
-      }
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + d + 8 * i, a[i]);
-    }
-    for (; d < dim; d += 8) {
-      __m256 a = _mm256_loadu_ps(acc + d);
-      for (int64_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(values[j] + d), a);
-      _mm256_storeu_ps(acc + d, a);
-    }
-  }
-};
-
 struct Avx512Math {
+  static constexpr int64_t kFloats = 16;  // a vector's
   __attribute__((target("avx512f,avx2,fma"))) static void widen(const c10::Half* const* rows, int64_t n, int64_t dim,
                                                                 float* dst) {
     for (int64_t j = 0; j < n; ++j)
@@ -370,26 +256,14 @@ struct Avx512Math {
     for (int64_t l = 0; l < L; ++l)
       for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc[l] + d + 16 * v, a[l][v]);
   }
-  template <int64_t L>
-  static void accumulate_lanes_of(float* const* acc, const float* const* p, const float* const* values, int64_t n,
-                                  int64_t dim) {
-    int64_t d = 0;
-    for (; d + 64 <= dim; d += 64) accumulate_block<L, 4>(acc, p, values, n, d);
-    switch ((dim - d) / 16) {
-      case 3: return accumulate_block<L, 3>(acc, p, values, n, d);
-      case 2: return accumulate_block<L, 2>(acc, p, values, n, d);
-      case 1: return accumulate_block<L, 1>(acc, p, values, n, d);
-      default: return;
-    }
-  }
   static void accumulate_lanes(float* const* acc, const float* const* p, int64_t count, const float* const* values,
                                int64_t n, int64_t dim) {
     int64_t l = 0;
-    for (; l + 4 <= count; l += 4) accumulate_lanes_of<4>(acc + l, p + l, values, n, dim);
+    for (; l + 4 <= count; l += 4) accumulate_vectors<Avx512Math, 4>(acc + l, p + l, values, n, dim);
     switch (count - l) {
-      case 3: return accumulate_lanes_of<3>(acc + l, p + l, values, n, dim);
-      case 2: return accumulate_lanes_of<2>(acc + l, p + l, values, n, dim);
-      case 1: return accumulate_lanes_of<1>(acc + l, p + l, values, n, dim);
+      case 3: return accumulate_vectors<Avx512Math, 3>(acc + l, p + l, values, n, dim);
+      case 2: return accumulate_vectors<Avx512Math, 2>(acc + l, p + l, values, n, dim);
+      case 1: return accumulate_vectors<Avx512Math, 1>(acc + l, p + l, values, n, dim);
       default: return;
     }
   }
