@@ -25,7 +25,7 @@ namespace {
 constexpr int64_t kGroup = 32;  // inputs per scale
 constexpr int64_t kTile = 16;   // outputs per tile
 constexpr int64_t kPairs = kGroup / 2;
-constexpr int64_t kGroupBytes = 1 << 20;   // a thread's widened tiles at a time
+constexpr int64_t kBatchBytes = 1 << 20;   // a thread's widened tiles at a time (a batch)
 constexpr int64_t kChunkBytes = 192 << 10;  // activations of one chunk of rows
 
 #if defined(__x86_64__)
@@ -79,22 +79,23 @@ at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const a
   at::Tensor result = at::empty({m, out}, rows.options());
   if (m > 0)
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      // The thread's tiles a group at a time, widened once into `group`, then the rows a chunk at a
-      // time over every tile of the group: the chunk's activations stay in L2 while the group's
+      // The thread's tiles a batch at a time, widened once into `batch`, then the rows a chunk at a
+      // time over every tile of the batch: the chunk's activations stay in L2 while the batch's
       // tiles pass over them, where all the rows for one tile (a prompt's are megabytes) came back
       // from L3 or memory for each of the 16 outputs.
-      const int64_t floats = in * kTile, group_tiles = std::max<int64_t>(1, kGroupBytes / (floats * 4));
-      const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (in * 4) / float_tiles::kAvx2Rows) * float_tiles::kAvx2Rows;
-      std::vector<float> group(std::min(group_tiles, end - begin) * floats);
+      const int64_t floats = in * kTile, batch_tiles = std::max<int64_t>(1, kBatchBytes / (floats * 4));
+      const int64_t blocks = std::max<int64_t>(1, kChunkBytes / (in * 4) / float_tiles::kAvx2Rows);
+      const int64_t chunk = blocks * float_tiles::kAvx2Rows;  // rows
+      std::vector<float> batch(std::min(batch_tiles, end - begin) * floats);
       const auto* bytes_of = static_cast<const uint8_t*>(weight.const_data_ptr());
       const float *scale_of = scales.const_data_ptr<float>(), *min_of = mins ? mins->const_data_ptr<float>() : nullptr;
       const float* bias_of = bias ? bias->const_data_ptr<float>() : nullptr;
-      for (int64_t first = begin; first < end; first += group_tiles) {
-        const int64_t last = std::min(end, first + group_tiles);
+      for (int64_t first = begin; first < end; first += batch_tiles) {
+        const int64_t last = std::min(end, first + batch_tiles);
         for (int64_t t = first; t < last; ++t) {
           const uint8_t* tile_bytes = bytes_of + t * groups * kPairs * bytes;
           const float* tile_mins = min_of ? min_of + t * groups * kTile : nullptr;
-          float* tile = group.data() + (t - first) * floats;
+          float* tile = batch.data() + (t - first) * floats;
           if (bits == 8)
             widen_tile<8>(tile_bytes, scale_of + t * groups * kTile, tile_mins, groups, tile);
           else
@@ -103,7 +104,7 @@ at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const a
         for (int64_t r = 0; r < m; r += chunk)
           for (int64_t t = first; t < last; ++t)
             float_tiles::tile_avx2(std::min(chunk, m - r), rows.const_data_ptr<float>() + r * in, in,
-                                   group.data() + (t - first) * floats, bias_of ? bias_of + t * kTile : nullptr,
+                                   batch.data() + (t - first) * floats, bias_of ? bias_of + t * kTile : nullptr,
                                    result.mutable_data_ptr<float>() + r * out + t * kTile, out);
       }
     });

@@ -269,7 +269,7 @@ def test_widened_kernel_is_the_float32_product_of_the_dequantized_weights(rows: 
     """widened_linear widens each tile of the weight to float32 once (as a GGUF's scales, float16,
     dequantize: exactly) and multiplies in float32: bit for bit tiled_linear's product on the
     dequantized weight, the same sums in the same order. 600 rows x 200 tiles: several chunks of
-    rows over several groups of tiles in each thread."""
+    rows over several batches of tiles in each thread."""
     torch.manual_seed(rows)
     outputs, inputs = tiles * 16, 6 * INPUTS_PER_SCALE
     if bits == "8":
