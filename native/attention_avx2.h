@@ -111,7 +111,9 @@ struct Avx2Math {
   // loaded once for all of them, four keys at a time, and a lane's four sums come out of one
   // hadd tree. Many lanes: the block's keys are transposed once, 8 x 8 at a time, so that a
   // lane's 16 scores are two vectors, dimension by dimension, and kLanes lanes share each load
-  // of a transposed row. Value sums: up to three lanes share each load of a value row. Missing
+  // of a transposed row. Value sums: many lanes go kLanes at a time over two vectors of a value
+  // row (the projections' 6 x 16 shape: 12 sums, the row's two vectors, a broadcast weight), a few
+  // lanes up to three at a time over up to four vectors. Missing
   // keys of a short block read key 0 and their results are dropped. Broadcasts are written
   // _mm256_set1_ps(*p), never _mm256_broadcast_ss(p): with that builtin in a loop GCC 12 keeps the
   // accumulator arrays in memory too and stores every one of them at each step.
@@ -213,18 +215,28 @@ struct Avx2Math {
     for (; l + kLanes <= count; l += kLanes) dots_transposed<kLanes>(q + l, out + l, kt, n, dim);
     dots_transposed_left<kLanes - 1>(q + l, out + l, count - l, kt, n, dim);
   }
+  // Not inlined: inside attend's loop GCC spilled the 6 x 2 block's sums to the stack at every key.
   template <int64_t L, int64_t V>
-  __attribute__((target("avx2,fma"))) static void accumulate_block(float* const* acc, const float* const* p,
+  __attribute__((target("avx2,fma"), noinline)) static void accumulate_block(float* const* acc, const float* const* p,
                                                                    const float* const* values, int64_t n, int64_t d) {
     __m256 a[L][V];
     for (int64_t l = 0; l < L; ++l)
       for (int64_t v = 0; v < V; ++v) a[l][v] = _mm256_loadu_ps(acc[l] + d + 8 * v);
     for (int64_t j = 0; j < n; ++j) {
-      __m256 weight[L];
-      for (int64_t l = 0; l < L; ++l) weight[l] = _mm256_set1_ps(p[l][j]);
-      for (int64_t v = 0; v < V; ++v) {
-        const __m256 row = _mm256_loadu_ps(values[j] + d + 8 * v);
-        for (int64_t l = 0; l < L; ++l) a[l][v] = _mm256_fmadd_ps(weight[l], row, a[l][v]);
+      if constexpr (L * V + V + 1 <= 16) {  // the row's vectors in registers, one lane's weight at a time
+        __m256 row[V];
+        for (int64_t v = 0; v < V; ++v) row[v] = _mm256_loadu_ps(values[j] + d + 8 * v);
+        for (int64_t l = 0; l < L; ++l) {
+          const __m256 weight = _mm256_set1_ps(p[l][j]);
+          for (int64_t v = 0; v < V; ++v) a[l][v] = _mm256_fmadd_ps(weight, row[v], a[l][v]);
+        }
+      } else {
+        __m256 weight[L];
+        for (int64_t l = 0; l < L; ++l) weight[l] = _mm256_set1_ps(p[l][j]);
+        for (int64_t v = 0; v < V; ++v) {
+          const __m256 row = _mm256_loadu_ps(values[j] + d + 8 * v);
+          for (int64_t l = 0; l < L; ++l) a[l][v] = _mm256_fmadd_ps(weight[l], row, a[l][v]);
+        }
       }
     }
     for (int64_t l = 0; l < L; ++l)
@@ -232,6 +244,14 @@ struct Avx2Math {
   }
   static void accumulate_lanes(float* const* acc, const float* const* p, int64_t count, const float* const* values,
                                int64_t n, int64_t dim) {
-    by_threes(count, [&]<int64_t L>(int64_t l) { accumulate_vectors<Avx2Math, L>(acc + l, p + l, values, n, dim); });
+    int64_t l = 0;
+    for (; l + kLanes <= count; l += kLanes) {  // many lanes (a prefill tile's): kLanes x 2 vectors, 12 sums
+      int64_t d = 0;
+      for (; d + 16 <= dim; d += 16) accumulate_block<kLanes, 2>(acc + l, p + l, values, n, d);
+      if (d < dim) accumulate_block<kLanes, 1>(acc + l, p + l, values, n, d);
+    }
+    by_threes(count - l, [&]<int64_t L>(int64_t k) {
+      accumulate_vectors<Avx2Math, L>(acc + l + k, p + l + k, values, n, dim);
+    });
   }
 };
