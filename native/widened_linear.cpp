@@ -27,6 +27,7 @@ constexpr int64_t kTile = 16;   // outputs per tile
 constexpr int64_t kPairs = kGroup / 2;
 constexpr int64_t kBatchBytes = 1 << 20;   // a thread's widened tiles at a time (a batch)
 constexpr int64_t kChunkBytes = 192 << 10;  // activations of one chunk of rows
+constexpr int64_t kHotBytes = 512 << 10;    // activations of every row, within L2: tiles one at a time
 
 #if defined(__x86_64__)
 #define AVX2 __attribute__((target("avx2,fma")))
@@ -83,7 +84,10 @@ at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const a
       // time over every tile of the batch: the chunk's activations stay in L2 while the batch's
       // tiles pass over them, where all the rows for one tile (a prompt's are megabytes) came back
       // from L3 or memory for each of the 16 outputs.
-      const int64_t floats = in * kTile, batch_tiles = std::max<int64_t>(1, kBatchBytes / (floats * 4));
+      // Rows whose activations stay in L2 (a decode step's) take each tile right after widening it:
+      // it is still in L1/L2 for every row block, where a batch's first tiles have gone to L3.
+      const int64_t floats = in * kTile;
+      const int64_t batch_tiles = m * in * 4 <= kHotBytes ? 1 : std::max<int64_t>(1, kBatchBytes / (floats * 4));
       const int64_t blocks = std::max<int64_t>(1, kChunkBytes / (in * 4) / float_tiles::kAvx2Rows);
       const int64_t chunk = blocks * float_tiles::kAvx2Rows;  // rows
       std::vector<float> batch(std::min(batch_tiles, end - begin) * floats);

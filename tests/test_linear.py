@@ -263,13 +263,14 @@ def paired(linear: GroupedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 @NEEDS_PAIRED
-@pytest.mark.parametrize(("rows", "tiles"), [(1, 5), (5, 5), (6, 5), (7, 5), (9, 5), (64, 5), (130, 5), (600, 200)])
+@pytest.mark.parametrize(("rows", "tiles"), [(1, 5), (5, 5), (6, 5), (7, 5), (9, 5), (64, 5), (130, 5), (600, 200), (800, 200)])
 @pytest.mark.parametrize("bits", ["8", "4 with mins"])
 def test_widened_kernel_is_the_float32_product_of_the_dequantized_weights(rows: int, tiles: int, bits: str) -> None:
     """widened_linear widens each tile of the weight to float32 once (as a GGUF's scales, float16,
     dequantize: exactly) and multiplies in float32: bit for bit tiled_linear's product on the
-    dequantized weight, the same sums in the same order. 600 rows x 200 tiles: several chunks of
-    rows over several batches of tiles in each thread."""
+    dequantized weight, the same sums in the same order. 600 rows x 200 tiles: activations that
+    stay in L2, each tile taken right after its widening; 800 rows: several chunks of rows over
+    several batches of tiles in each thread."""
     torch.manual_seed(rows)
     outputs, inputs = tiles * 16, 6 * INPUTS_PER_SCALE
     if bits == "8":
