@@ -263,7 +263,7 @@ def paired(linear: GroupedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 @NEEDS_PAIRED
-@pytest.mark.parametrize(("rows", "tiles"), [(1, 5), (5, 5), (6, 5), (7, 5), (9, 5), (64, 5), (130, 5), (600, 200), (800, 200)])
+@pytest.mark.parametrize(("rows", "tiles"), [(1, 5), (5, 5), (6, 5), (7, 5), (9, 5), (64, 5), (600, 200), (800, 200)])
 @pytest.mark.parametrize("bits", ["8", "4 with mins"])
 def test_widened_kernel_is_the_float32_product_of_the_dequantized_weights(rows: int, tiles: int, bits: str) -> None:
     """widened_linear widens each tile of the weight to float32 once (as a GGUF's scales, float16,
