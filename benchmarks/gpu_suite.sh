@@ -173,8 +173,8 @@ build() {
     make "${make_args[@]}" native || return
     load_libraries && return
     echo "vattn/libvattn_ops.so does not load with this torch: building it again"
-    local sources=(native/*.cpp)
-    make "${make_args[@]}" "${sources[@]/#/-W}" vattn/libvattn_ops.so && load_libraries
+    rm -f build/ops/torch.env # the torch it was built against: asked again, every source follows
+    make "${make_args[@]}" vattn/libvattn_ops.so && load_libraries
 }
 export -f load_libraries build
 step build 150 build.log build

@@ -13,7 +13,9 @@
 // instead: balanced tiles of weights are widened into a per-thread buffer and multiplied by
 // torch's GEMM, in float32, or with `bf16_many_rows` in bfloat16 (float accumulation, outputs
 // rounded to bfloat16: about 4x float32's speed where the CPU has AVX512_BF16).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

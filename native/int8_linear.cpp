@@ -5,7 +5,9 @@
 // for the whole batch (fbgemm's dynamic linear) made the default model's perplexity 3x
 // worse. Doing the quantize and dequantize here instead of in Python saves ~10 operator
 // calls per projection, which at batch 1 cost more than the multiply itself.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

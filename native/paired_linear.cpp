@@ -23,7 +23,9 @@
 // but a weight costs one widening instruction per 16 products instead of three per 8 (widen,
 // convert, scale) in grouped_linear. Both bodies are compiled into every build and chosen per
 // call by the caller (from the CPU's flags or ATEN_CPU_CAPABILITY; one the CPU lacks is refused).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/dot.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -3,7 +3,7 @@
 // 32 inputs, stored tile by tile of 16 outputs: 32 x 16 bytes per group and tile, or 16 x 16).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <optional>

@@ -10,7 +10,9 @@
 // add_rms_norm's residual may be float32 under a 16-bit x: the model runner keeps a bfloat16
 // model's residual stream in float32 (serving.model.runner), and the norm then reads it as
 // LlamaRMSNorm reads a float32 input, writing its output in x's dtype.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -3,7 +3,8 @@
 // Python's version is ~15 operators a layer (slices, neg, cat, muls, adds) and allocates
 // four tensors; this is one pass that writes through q's and k's own strides, so it also
 // works on the views a fused QKV projection splits into.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -5,7 +5,9 @@
 //
 // Numerics follow the two operators: silu in float32, rounded to the dtype, then the product
 // in float32, rounded. exp is Cephes' (fast_exp.h, ~1e-7 relative) where torch's is Sleef's.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

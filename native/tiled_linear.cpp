@@ -16,7 +16,9 @@
 // the sums differs. On AVX2 (float32 only) a tile is two 8-float vectors and a block 6 rows; there
 // oneDNN's matmul runs these shapes well below the FMA units' rate up to 128 rows, and the tiles
 // nearer it (benchmarks/results/avx2/few_rows.*).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

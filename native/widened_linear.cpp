@@ -9,7 +9,8 @@
 // tiled_linear's float32 body (native/float_tiles.h) over every row. The product is then the
 // float32 one of the dequantized weights: a GGUF's blocks give its fp32 model's answers, at fp32's
 // speed for prompts and in the file's bytes.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
