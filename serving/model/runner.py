@@ -16,8 +16,6 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from serving.model.linear import DenseLinear, GroupedLinear, Linear, fused
 from serving.model.loader import ModelShape
@@ -73,6 +71,8 @@ class GatedActivation:
     with a temporary)."""
 
     def __init__(self, name: str) -> None:
+        from transformers.activations import ACT2FN  # here: importing it is ~4 s of torch and transformers
+
         self.name = name
         self.act = ACT2FN[name]
 
@@ -88,6 +88,8 @@ def rotate(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tens
     if q.is_cpu:
         vattn_ops().rotary(q, k, cos, sin)
         return q, k
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # as ACT2FN: not at import
+
     return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
 
 
