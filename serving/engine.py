@@ -94,9 +94,8 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._generator = torch.Generator().manual_seed(config.seed)
-        eos = model.generation_config.eos_token_id if model.generation_config else None
-        eos = eos if eos is not None else self.tokenizer.eos_token_id
-        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = frozenset(model.config.eos_token_ids or ([] if eos is None else [eos]))
         del model  # the runner holds what it uses: the rest of the loaded model goes
         return_freed_memory()
         self._changed: dict[Request, None] = {}

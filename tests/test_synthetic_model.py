@@ -4,6 +4,7 @@ every CPU kernel of both caches against transformers' own, the GPU check's CPU s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,14 +13,15 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks import gpu_model_check
 from benchmarks.gpu_model_check import LONG_TOKENS, Run, engine_config, run_workload, workload
 from measure.results import free_port
 from serving.chat_template import chat_prompt_ids
+from serving.model.llama import CausalLM
 from serving.model.loader import load_model, model_shape
-from serving.model.synthetic import SYNTHETIC_MODELS, build_tokenizer, llama_config, load_synthetic
+from serving.model.synthetic import SYNTHETIC_MODELS, build_tokenizer, load_synthetic, model_config
 from serving.server.cli import main
 from tests.live_server import read_until
 
@@ -63,11 +65,19 @@ def test_an_unknown_name_is_refused_with_the_names() -> None:
 
 def test_the_paper_model_has_the_papers_heads() -> None:
     """8 KV heads of 128 under 32 query heads (GQA); built on the meta device, no weights drawn."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(llama_config(SYNTHETIC_MODELS["paper"]))
+    model = CausalLM(model_config(SYNTHETIC_MODELS["paper"]))
     shape = model_shape(model)
     assert (shape.num_query_heads, shape.num_kv_heads, shape.head_dim) == (32, 8, 128)
     assert sum(p.numel() for p in model.parameters()) * 2 < 600e6  # bytes in bfloat16
+
+
+def transformers_llama(model: CausalLM) -> LlamaForCausalLM:
+    """transformers' own Llama holding `model`'s weights."""
+    ours_only = ("model_type", "qkv_bias", "output_bias", "mlp_bias", "eos_token_ids")
+    fields = {name: value for name, value in dataclasses.asdict(model.config).items() if name not in ours_only}
+    reference = LlamaForCausalLM(LlamaConfig(**fields)).eval()
+    reference.load_state_dict(model.state_dict())
+    return reference
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +95,8 @@ def runs() -> dict[tuple[str, str, str], Run]:
 @pytest.fixture(scope="module")
 def transformers_greedy() -> dict[str, list[int]]:
     """transformers' own generate(do_sample=False) on the same weights, one prompt at a time."""
-    model, tokenizer = load_synthetic("synthetic:tiny", torch.float32)
+    built, tokenizer = load_synthetic("synthetic:tiny", torch.float32)
+    model = transformers_llama(built)
     model.generation_config.eos_token_id = None  # the engine's requests ignore eos
     greedy = {}
     for wave in workload("tiny"):

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import functools
 import gc
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,8 +16,7 @@ from typing import Any
 import torch
 
 from serving.model.gguf_weights import STORED_BLOCKS, attach_gguf_weights
-
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+from serving.model.llama import CausalLM, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -29,13 +29,15 @@ class ModelShape:
     max_position: int
 
 
-def load_model(path: str | Path, dtype: torch.dtype, gguf_weights: bool = False) -> tuple[Any, Any]:
+FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""tokenizer_config.json's classes that are a tokenizer.json as it is (one class in transformers 5)."""
+
+
+def load_model(path: str | Path, dtype: torch.dtype, gguf_weights: bool = False) -> tuple[CausalLM, Any]:
     """A causal LM and its tokenizer from a safetensors folder or a GGUF file, or built on the
     spot for `synthetic:<name>` (serving.model.synthetic); with `gguf_weights`, a GGUF file's
     (or a folder converted from one: its STORED_BLOCKS) projections also carry its quantized
     weights as stored."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from serving.model.synthetic import is_synthetic, load_synthetic
 
     if is_synthetic(path):
@@ -45,15 +47,59 @@ def load_model(path: str | Path, dtype: torch.dtype, gguf_weights: bool = False)
         folder, gguf_file = folder.parent, folder.name
     if not folder.is_dir():
         raise ValueError(f"model folder {str(folder)!r} does not exist")
-    with gguf_parsed_once() if gguf_file else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype)
-        if model.config.model_type not in SUPPORTED_ARCHITECTURES:
-            supported = ", ".join(SUPPORTED_ARCHITECTURES)
-            raise ValueError(f"model type {model.config.model_type!r} is not supported; supported: {supported}")
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-        if gguf_weights:
-            attach_gguf_weights(model, folder / (gguf_file or STORED_BLOCKS))
-    return model.eval(), tokenizer
+    if gguf_file:
+        model, tokenizer = load_gguf(folder / gguf_file, dtype)
+    else:
+        model, tokenizer = CausalLM.of(read_config(folder), read_weights(folder), dtype), load_tokenizer(folder)
+    if gguf_weights:
+        attach_gguf_weights(model, folder / (gguf_file or STORED_BLOCKS))
+    return model, tokenizer
+
+
+def read_config(folder: Path) -> ModelConfig:
+    """config.json, its end-of-sequence ids generation_config.json's where it names some (as
+    transformers' generation does)."""
+    raw = json.loads((folder / "config.json").read_text())
+    generation = folder / "generation_config.json"
+    if generation.is_file() and (eos := json.loads(generation.read_text()).get("eos_token_id")) is not None:
+        raw["eos_token_id"] = eos
+    return ModelConfig.from_dict(raw)
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the .safetensors files at the folder's top (one file or a sharded set)."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {str(folder)!r} holds no .safetensors weights")
+    return {name: tensor for file in files for name, tensor in load_file(file).items()}
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The folder's tokenizer; a plain tokenizer.json without transformers' AutoTokenizer, whose
+    import alone is ~2 s (it indexes every model transformers knows)."""
+    settings = folder / "tokenizer_config.json"
+    if settings.is_file() and json.loads(settings.read_text()).get("tokenizer_class") in FAST_TOKENIZERS:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def load_gguf(path: Path, dtype: torch.dtype) -> tuple[CausalLM, Any]:
+    """A GGUF file's model, dequantized by transformers, and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with gguf_parsed_once():
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    raw = loaded.config.to_dict()
+    if loaded.generation_config is not None and loaded.generation_config.eos_token_id is not None:
+        raw["eos_token_id"] = loaded.generation_config.eos_token_id
+    return CausalLM.of(ModelConfig.from_dict(raw), loaded.state_dict(), dtype), tokenizer
 
 
 @contextlib.contextmanager
@@ -91,14 +137,13 @@ def return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def model_shape(model: Any) -> ModelShape:
+def model_shape(model: CausalLM) -> ModelShape:
     config = model.config
-    heads = config.num_attention_heads
     return ModelShape(
         num_layers=config.num_hidden_layers,
-        num_query_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        num_query_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
         vocab_size=config.vocab_size,
         max_position=config.max_position_embeddings,
     )

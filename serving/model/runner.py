@@ -71,10 +71,13 @@ class GatedActivation:
     with a temporary)."""
 
     def __init__(self, name: str) -> None:
-        from transformers.activations import ACT2FN  # here: importing it is ~4 s of torch and transformers
-
         self.name = name
-        self.act = ACT2FN[name]
+        if name == "silu":
+            self.act: Callable[[Tensor], Tensor] = F.silu
+        else:  # here: importing transformers' activations is ~4 s (torch.distributed.tensor, dynamo)
+            from transformers.activations import ACT2FN
+
+            self.act = ACT2FN[name]
 
     def __call__(self, gate_up: Tensor) -> Tensor:
         if self.name == "silu" and gate_up.is_cpu and gate_up.dtype in (torch.float32, torch.bfloat16):

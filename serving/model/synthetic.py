@@ -1,10 +1,9 @@
 """Random-weight Llama models built on the spot, for machines that can neither download nor carry one.
 
 A model path spelled `synthetic:<name>` (EngineConfig.model, `vattn serve --model`) builds the
-model of SYNTHETIC_MODELS called `name`: transformers' LlamaForCausalLM, so the engine reads it
-as it reads a checkpoint, with weights drawn from a seeded torch.Generator, and a byte-level
-BPE tokenizer made in code. Nothing is read from disk or the network, and two builds are
-equal to the bit.
+model of SYNTHETIC_MODELS called `name` (serving.model.llama's tree, as a checkpoint is), with
+weights drawn from a seeded torch.Generator, and a byte-level BPE tokenizer made in code.
+Nothing is read from disk or the network, and two builds are equal to the bit.
 
 The weights are rounded to bfloat16 whatever the dtype, so a float32 and a bfloat16 engine
 hold the same numbers and differ only in their arithmetic. Their scales keep greedy
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from serving.model.llama import CausalLM, ModelConfig
 
 PREFIX = "synthetic:"
 
@@ -102,56 +103,48 @@ def synthetic_spec(path: object) -> SyntheticModel:
     return SYNTHETIC_MODELS[name]
 
 
-def load_synthetic(path: object, dtype: torch.dtype) -> tuple[Any, Any]:
+def load_synthetic(path: object, dtype: torch.dtype) -> tuple[CausalLM, Any]:
     """The causal LM and tokenizer `synthetic:<name>` names, weights in `dtype` on the CPU."""
     spec = synthetic_spec(path)
     return build_model(spec, dtype), build_tokenizer(spec.vocab_size)
 
 
-def llama_config(spec: SyntheticModel) -> Any:
-    from transformers import LlamaConfig
-
-    bos, eos, _, end_of_turn = special_token_ids(spec.vocab_size)
-    return LlamaConfig(
-        vocab_size=spec.vocab_size,
+def model_config(spec: SyntheticModel) -> ModelConfig:
+    _, eos, _, end_of_turn = special_token_ids(spec.vocab_size)
+    return ModelConfig(
+        model_type="llama",
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_query_heads,
         num_key_value_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
+        vocab_size=spec.vocab_size,
         max_position_embeddings=spec.max_position,
         rms_norm_eps=1e-5,
+        hidden_act="silu",
         tie_word_embeddings=False,
-        bos_token_id=bos,
-        eos_token_id=[eos, end_of_turn],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        eos_token_ids=(eos, end_of_turn),
     )
 
 
-def build_model(spec: SyntheticModel, dtype: torch.dtype) -> Any:
-    """The LlamaForCausalLM of `spec`, its weights drawn in a fixed order from a generator seeded with `spec.seed`."""
-    from transformers import LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    config = llama_config(spec)
-    with torch.device("meta"):  # no default initialisation: every weight is drawn below
-        model = LlamaForCausalLM(config)
-    model.to_empty(device="cpu")
-    model.to(dtype)
-    model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its float32 tables, computed (meta held none)
+def build_model(spec: SyntheticModel, dtype: torch.dtype) -> CausalLM:
+    """The model of `spec`, its weights drawn in the order transformers names them from a generator
+    seeded with `spec.seed`."""
+    config = model_config(spec)
     generator = torch.Generator().manual_seed(spec.seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.fill_(1.0)
-                continue
-            fan_in = parameter.shape[-1]
-            std = 1.0 if "embed_tokens" in name else fan_in**-0.5
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                std *= 2**0.5
-            drawn = torch.randn(parameter.shape, generator=generator).mul_(std)
-            parameter.copy_(drawn.to(torch.bfloat16))
-    return model.eval()
+    weights = {}
+    for name, parameter in CausalLM(config).named_parameters():  # on the meta device: the names and shapes
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(parameter.shape)
+            continue
+        fan_in = parameter.shape[-1]
+        std = 1.0 if "embed_tokens" in name else fan_in**-0.5
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            std *= 2**0.5
+        weights[name] = torch.randn(parameter.shape, generator=generator).mul_(std).to(torch.bfloat16)
+    return CausalLM.of(config, weights, dtype)
 
 
 def special_token_ids(vocab_size: int) -> tuple[int, ...]:
@@ -164,7 +157,7 @@ def build_tokenizer(vocab_size: int) -> Any:
     """A byte-level BPE tokenizer of `vocab_size` tokens (the 256 bytes, merges, SPECIAL_TOKENS),
     wrapped for transformers with bos, eos and a ChatML chat template. Every text round-trips."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     byte_chars = byte_level_alphabet()
     merges = byte_level_merges(vocab_size - len(byte_chars) - len(SPECIAL_TOKENS))
@@ -180,7 +173,7 @@ def build_tokenizer(vocab_size: int) -> Any:
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab_size - len(SPECIAL_TOKENS))]
     )
     assert core.get_vocab_size() == vocab_size
-    return PreTrainedTokenizerFast(
+    return TokenizersBackend(
         tokenizer_object=core, bos_token=bos, eos_token=eos, pad_token=eos, chat_template=CHAT_TEMPLATE
     )
 
