@@ -10,7 +10,7 @@ so that the weights stream from memory as in a decode step. The paths alternate 
 rounds in one process; reported per row count: each path's best pass per round (median of the
 rounds, ms) and the speed of each against float32's, round by round: median and range.
 
-    python -m benchmarks.stored_rows [--rows 1,4,8,16,32,64,128,512,2048] [--rounds 5] [--threads 2]
+    python -m benchmarks.stored_rows [--rows 1,4,8,16,20,24,32,64,128,512,2048] [--rounds 5] [--threads 2]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ PATHS = ("int16", "widened", "chosen", "float32")
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="1,4,8,16,32,64,128,512,2048")
+    parser.add_argument("--rows", default="1,4,8,16,20,24,32,64,128,512,2048")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "avx2")

@@ -179,15 +179,13 @@ class Int8Linear:
 PAIRED_KERNELS = ("int8_vnni", "int16_vnni", "int16_avx2")
 """vattn::paired_linear's bodies (grouped_linear's: `avx512`, `avx2`, `scalar`)."""
 
-INT16_ROWS = 8
+INT16_ROWS = 20
 """On AVX2 (`int16_avx2`), the most rows a call multiplies in int16 (vattn::paired_linear);
 more go to vattn::widened_linear, which widens each tile of the weight to float32 once and
-multiplies in float32: the dequantized weights' float32 product, and faster from 64 rows on
-(1.25-1.61x the int16 kernel at 64-2048), where up to 8 rows the int16 kernel is (1.34-2.68x);
-at 16-32 rows the last run had int16 ahead (1.13-1.15x) and the one before widened (1.05-1.09x),
-so the cut stays at 8. With it, a GGUF's Q4_1 projections run 1.47-2.55x the float32 model's at
-1-8 rows and level with it (0.98-1.08x) from 16 to 2048 (benchmarks/results/avx2/stored_rows.*,
-medians of three rounds on an AVX2-only EPYC)."""
+multiplies in float32: the dequantized weights' float32 product. The widening is paid once a
+call, so it wins from about 24 rows on; below, the int16 kernel is faster (on an AVX2-only EPYC,
+7 rounds: 1.12x widened at 12 rows, 1.18x at 16, 1.07x at 20; at 24 widened led by 1.07x).
+benchmarks/results/avx2/stored_rows.* gives both kernels against the float32 model at 1-2048 rows."""
 
 
 class GroupedLinear:
