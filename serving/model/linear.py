@@ -183,8 +183,9 @@ INT16_ROWS = 20
 """On AVX2 (`int16_avx2`), the most rows a call multiplies in int16 (vattn::paired_linear);
 more go to vattn::widened_linear, which widens each tile of the weight to float32 once and
 multiplies in float32: the dequantized weights' float32 product. The widening is paid once a
-call, so it wins from about 24 rows on; below, the int16 kernel is faster (on an AVX2-only EPYC,
-7 rounds: 1.12x widened at 12 rows, 1.18x at 16, 1.07x at 20; at 24 widened led by 1.07x).
+call, so it wins from about 24 rows on; below, the int16 kernel is faster (against the float32
+model's projections, medians of 3 rounds on an AVX2-only EPYC: int16 1.29x and widened 1.11x at
+16 rows, 1.19x and 1.14x at 20, 1.12x and 1.19x at 24).
 benchmarks/results/avx2/stored_rows.* gives both kernels against the float32 model at 1-2048 rows."""
 
 
