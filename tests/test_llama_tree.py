@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from serving.default_model import ensure_default_model
 from serving.model.llama import CausalLM, ModelConfig, RotaryEmbedding
-from serving.model.loader import load_model
+from serving.model.loader import load_model, read_weights
 
 SMALL = {
     "hidden_size": 64,
@@ -123,3 +124,25 @@ def test_loading_a_checkpoint_imports_no_transformers_modeling() -> None:
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     assert run.stdout.strip().splitlines()[-1] == "[]", run.stderr
+
+
+def test_the_weights_are_the_files_transformers_reads(tmp_path: Path) -> None:
+    """The index's shards, else model.safetensors, else every .safetensors at the folder's top: a
+    Mistral repository's consolidated.safetensors (another naming) beside them is not read."""
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(1)}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b": torch.ones(1)}, tmp_path / "model-00002-of-00002.safetensors")
+    save_file({"layers.0.attention.wq.weight": torch.ones(1)}, tmp_path / "consolidated.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert sorted(read_weights(tmp_path)) == ["a", "b"]
+    (tmp_path / "model.safetensors.index.json").unlink()
+    save_file({"c": torch.ones(1)}, tmp_path / "model.safetensors")
+    assert sorted(read_weights(tmp_path)) == ["c"]
+    (tmp_path / "model.safetensors").unlink()
+    assert sorted(read_weights(tmp_path)) == ["a", "b", "layers.0.attention.wq.weight"]
+    for file in tmp_path.glob("*.safetensors"):
+        file.unlink()
+    with pytest.raises(ValueError, match=r"holds no \.safetensors weights"):
+        read_weights(tmp_path)

@@ -180,8 +180,9 @@ class CausalLM(nn.Module):
 
     @classmethod
     def of(cls, config: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype) -> CausalLM:
-        """The tree holding a checkpoint's `weights` by name, each in `dtype`; ValueError naming
-        the weights missing or unknown. A tied head is the embedding."""
+        """The tree holding a checkpoint's `weights` by name, each in `dtype` (taken out of the
+        dict as they are converted: a conversion never holds two copies of every weight);
+        ValueError naming the weights missing or unknown. A tied head is the embedding."""
         model = cls(config)
         tied = config.tie_word_embeddings
         expected = {name for name, _ in model.named_parameters()}  # a tied head's weight named once, as the embedding
@@ -192,7 +193,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"the checkpoint holds {len(unknown)} unknown weights: {', '.join(unknown[:4])}")
         for name in expected:
             module_name, _, attribute = name.rpartition(".")
-            weight = weights[name].to(dtype)
+            weight = weights.pop(name).to(dtype)
             setattr(model.get_submodule(module_name), attribute, nn.Parameter(weight, requires_grad=False))
         if tied:
             model.lm_head.weight = model.model.embed_tokens.weight  # the loaded table, not the meta one

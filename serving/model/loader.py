@@ -67,10 +67,16 @@ def read_config(folder: Path) -> ModelConfig:
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the .safetensors files at the folder's top (one file or a sharded set)."""
+    """The checkpoint's tensors by name, as transformers finds them: the shards that
+    model.safetensors.index.json names, else model.safetensors, else every .safetensors file at
+    the folder's top."""
     from safetensors.torch import load_file
 
-    files = sorted(folder.glob("*.safetensors"))
+    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    if index.is_file():
+        files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model folder {str(folder)!r} holds no .safetensors weights")
     return {name: tensor for file in files for name, tensor in load_file(file).items()}
