@@ -29,13 +29,13 @@ import matplotlib.pyplot as plt
 from measure.results import (
     RESULTS_DIR,
     command_line,
-    local_server,
     machine_facts,
     percentiles,
     print_table,
     save_figure,
     write_results,
 )
+from measure.servers import local_server
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,"]

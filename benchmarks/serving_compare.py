@@ -28,17 +28,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager, suppress
+from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -54,24 +51,21 @@ from measure.results import (
     RESULTS_DIR,
     CpuShare,
     command_line,
-    exit_on_sigterm,
-    free_port,
     machine_facts,
     print_table,
     ratio_range,
     save_figure,
     write_results,
 )
+from measure.servers import TreeRss, server_share, server_ticks, started
 from measure.streams import Timing, http_client, one_request, summarize
 from measure.workloads import random_word_prompts
 from serving.default_model import DEFAULT_MODEL, cache_dir, default_model_dir
 from serving.model.cpu_features import bf16_native
-from vattn.sizes import MiB
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
 PEER_NAMES = ("vllm", "vllm-bf16", "llamacpp-f32", "llamacpp-q8_0", "llamacpp-q4_1", "hf-serve")
 DEFAULT_VATTN = ("fp32=--dtype float32", "bf16=--dtype bfloat16")
 CLASS_OF_CONFIG = {"fp32": "fp32", "bf16": "bf16", "bf16w": "bf16", "w8": "int8", "q8": "int8", "int8": "int8"}
@@ -175,101 +169,6 @@ def hf_system(model_dir: Path, output_tokens: int) -> System:
     )
 
 
-def session_members(sid: int) -> list[tuple[int, int, int]]:
-    """(pid, RSS bytes, CPU ticks used) of every process in session `sid`, from /proc/*/stat."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # fields[0] is field 3 of proc(5)
-            if int(fields[3]) == sid:
-                members.append((int(stat.parent.name), int(fields[21]) * PAGE, int(fields[11]) + int(fields[12])))
-        except (OSError, ValueError, IndexError):
-            pass
-    return members
-
-
-def server_ticks(sid: int) -> int:
-    return sum(ticks for _, _, ticks in session_members(sid))
-
-
-def server_share(sid: int, ticks_before: int, since: float) -> float:
-    """The server's share of the machine's CPU time since `since` (time.monotonic())."""
-    available = os.sysconf("SC_CLK_TCK") * (time.monotonic() - since) * (os.cpu_count() or 1)
-    return (server_ticks(sid) - ticks_before) / available
-
-
-class TreeRss:
-    """Polls the summed RSS of a server's session in a thread; `take()` returns the peak since the last."""
-
-    def __init__(self, sid: int, interval: float = 0.2) -> None:
-        self.sid, self.interval, self.peak = sid, interval, 0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def _poll(self) -> None:
-        while not self._done.wait(self.interval):
-            self.peak = max(self.peak, sum(rss for _, rss, _ in session_members(self.sid)))
-
-    def take(self) -> float:
-        peak, self.peak = self.peak, sum(rss for _, rss, _ in session_members(self.sid))
-        return round(max(peak, self.peak) / MiB, 1)
-
-    def stop(self) -> None:
-        self._done.set()
-        self._thread.join()
-
-
-def stop_session(process: subprocess.Popen[bytes], grace: float = 30.0) -> None:
-    """SIGTERM to the server's process group, SIGKILL to whatever is left after `grace` seconds."""
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and session_members(process.pid):
-        process.poll()  # reaps the leader so that it leaves the session
-        time.sleep(0.2)
-    if session_members(process.pid):
-        with suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-@contextmanager
-def started(system: System, log: Path, timeout: float) -> Iterator[tuple[str, subprocess.Popen[bytes], float]]:
-    """The system's server on a free loopback port until it answers its /health: (url, process, seconds)."""
-    exit_on_sigterm()
-    port = free_port()
-    command = [part.replace("{port}", str(port)) for part in system.command]
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            command, env={**os.environ, **system.env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    url, begun = f"http://127.0.0.1:{port}", time.monotonic()
-    try:
-        with tqdm(desc=f"starting {system.name}", unit="s", bar_format="{desc}: {elapsed}") as bar:
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"exited with {process.returncode} while starting:\n{log_tail(log)}")
-                if time.monotonic() - begun > timeout:
-                    raise RuntimeError(f"no answer on /health after {timeout:.0f} s:\n{log_tail(log)}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(1)
-                bar.update()
-        yield url, process, time.monotonic() - begun
-    finally:
-        stop_session(process)
-
-
 async def run_level(
     url: str, system: System, model: str, prompts: list[str], concurrency: int, output_tokens: int
 ) -> tuple[list[Timing], float]:
@@ -314,7 +213,10 @@ def start_server(
         print(f"skipping {system.name}: {system.skip}")
         return info, None
     try:
-        url, process, seconds = stack.enter_context(started(system, logs / f"{system.name}.log", args.startup_timeout))
+        log = logs / f"{system.name}.log"
+        url, process, seconds = stack.enter_context(
+            started(system.name, system.command, log, args.startup_timeout, system.env)
+        )
         info["startup_s"] = round(seconds, 1)
         model = system.model or httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         info["model"] = model

@@ -29,12 +29,12 @@ from measure.results import (
     RESULTS_DIR,
     CpuShare,
     command_line,
-    local_server,
     machine_facts,
     print_table,
     save_figure,
     write_results,
 )
+from measure.servers import local_server
 from measure.streams import Timing, http_client, one_request, summarize
 from measure.workloads import random_word_prompts
 

@@ -14,12 +14,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import torch
 
@@ -299,27 +297,3 @@ def exit_on_sigterm() -> None:
     the servers a benchmark started are stopped by its context managers instead of outliving it
     and loading the machine under the next measurement (Python's default is to die at once)."""
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
-
-
-@contextmanager
-def local_server(serve_args: str = "") -> Iterator[str]:
-    """`vattn serve` with these options in a subprocess on a free port, once it answers /health."""
-    exit_on_sigterm()
-    port = free_port()
-    command = [sys.executable, "-m", "serving.server.cli", "serve", "--port", str(port), *serve_args.split()]
-    process = subprocess.Popen(command)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert process.poll() is None, "vattn serve exited"
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(60)
