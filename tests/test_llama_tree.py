@@ -146,3 +146,37 @@ def test_the_weights_are_the_files_transformers_reads(tmp_path: Path) -> None:
         file.unlink()
     with pytest.raises(ValueError, match=r"holds no \.safetensors weights"):
         read_weights(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"model_type": "qwen2", **SMALL, "vocab_size": 1024, "tie_word_embeddings": True},
+        {"model_type": "mistral", **SMALL, "vocab_size": 1024, "head_dim": 32, **LEGACY_LLAMA3},
+    ],
+    ids=["qwen2-tied-biases", "mistral-head-dim-llama3-rope"],
+)
+def test_a_saved_checkpoint_serves_transformers_greedy_tokens(raw: dict[str, Any], tmp_path: Path) -> None:
+    """transformers' own model of another architecture, saved as a checkpoint (safetensors,
+    config, tokenizer), then served from the folder: the engine's greedy tokens are its generate's."""
+    from serving import LLM, SamplingParams
+    from serving.model.synthetic import build_tokenizer
+
+    reference = AutoModelForCausalLM.from_config(transformers_config(raw)).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # scales that part the logits (transformers' 0.02 leaves near-ties)
+        for name, parameter in reference.named_parameters():
+            std = 1.0 if "embed" in name or parameter.dim() == 1 else parameter.shape[-1] ** -0.5
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+    reference.save_pretrained(tmp_path)
+    build_tokenizer(raw["vocab_size"]).save_pretrained(tmp_path)
+    prompt = torch.randint(0, 1000, (24,), generator=generator).tolist()
+    with torch.inference_mode():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+    llm = LLM(model=str(tmp_path), dtype="float32", max_slots=2, max_context=64, kv_budget=8 << 20)
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        (output,) = llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        llm.close()
+    assert output.token_ids == expected[0, len(prompt) :].tolist()
