@@ -46,9 +46,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default=())
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, raw: dict[str, Any], generation_eos: int | list[int] | None = None) -> ModelConfig:
         """From config.json's fields, in transformers' current form or the older one (`rope_theta`
-        and `rope_scaling` beside the others); ValueError for what the tree cannot hold."""
+        and `rope_scaling` beside the others), the end-of-sequence ids the generation config's
+        where it names some (as transformers' generation takes them); ValueError for what the
+        tree cannot hold."""
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -68,7 +70,7 @@ class ModelConfig:
         # Qwen2's q/k/v carry biases whatever its config says; Llama's four projections follow
         # `attention_bias`; Mistral's have none.
         attention_bias = bool(raw.get("attention_bias", False)) and model_type == "llama"
-        eos = raw.get("eos_token_id")
+        eos = generation_eos if generation_eos is not None else raw.get("eos_token_id")
         return cls(
             model_type=model_type,
             hidden_size=raw["hidden_size"],

@@ -59,11 +59,9 @@ def load_model(path: str | Path, dtype: torch.dtype, gguf_weights: bool = False)
 def read_config(folder: Path) -> ModelConfig:
     """config.json, its end-of-sequence ids generation_config.json's where it names some (as
     transformers' generation does)."""
-    raw = json.loads((folder / "config.json").read_text())
     generation = folder / "generation_config.json"
-    if generation.is_file() and (eos := json.loads(generation.read_text()).get("eos_token_id")) is not None:
-        raw["eos_token_id"] = eos
-    return ModelConfig.from_dict(raw)
+    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+    return ModelConfig.from_dict(json.loads((folder / "config.json").read_text()), eos)
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -102,10 +100,8 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[CausalLM, Any]:
     with gguf_parsed_once():
         loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    raw = loaded.config.to_dict()
-    if loaded.generation_config is not None and loaded.generation_config.eos_token_id is not None:
-        raw["eos_token_id"] = loaded.generation_config.eos_token_id
-    return CausalLM.of(ModelConfig.from_dict(raw), loaded.state_dict(), dtype), tokenizer
+    eos = loaded.generation_config.eos_token_id if loaded.generation_config is not None else None
+    return CausalLM.of(ModelConfig.from_dict(loaded.config.to_dict(), eos), loaded.state_dict(), dtype), tokenizer
 
 
 @contextlib.contextmanager
