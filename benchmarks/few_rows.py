@@ -34,7 +34,7 @@ from measure.results import (
     save_figure,
     write_results,
 )
-from serving.model.linear import TILED_ROWS, DenseLinear, tiles_run
+from serving.model.linear import DenseLinear, tiled_rows, tiles_run
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -90,7 +90,7 @@ def measure_dtype(dtype: torch.dtype, args: argparse.Namespace) -> list[dict[str
             times["onednn"].append(best_pass(onednn))
             times["tiles"].append(best_pass(tiled))
         ratio = ratio_range([1 / t for t in times["tiles"]], [1 / t for t in times["onednn"]])
-        row: dict[str, Any] = {"dtype": str(dtype).split(".")[1], "rows": count, "used": count <= TILED_ROWS[dtype]}
+        row: dict[str, Any] = {"dtype": str(dtype).split(".")[1], "rows": count, "used": count <= tiled_rows(dtype)}
         for path, seconds in times.items():
             median = statistics.median(seconds)
             row |= {f"{path}_ms": median * 1e3, f"{path}_weight_gb_s": weight_bytes / median / 1e9}
@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "shapes": SHAPES,
         "layers": LAYERS,
         "threads": args.threads,
-        "tiled_rows": {str(dtype).split(".")[1]: limit for dtype, limit in TILED_ROWS.items()},
+        "tiled_rows": {str(dtype).split(".")[1]: tiled_rows(dtype) for dtype in dtypes},
     }
     csv_path, json_path, png_path = write_results(args.out, "few_rows", rows, payload)
     print_table(

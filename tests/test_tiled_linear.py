@@ -8,8 +8,8 @@ import pytest
 import torch
 from checks import printed_under
 
-from serving.model.cpu_features import bf16_available, cpu_kernels
-from serving.model.linear import TILED_ROWS, DenseLinear
+from serving.model.cpu_features import bf16_available, cpu_flags, cpu_kernels
+from serving.model.linear import DenseLinear, tiled_rows
 from vattn.ops import vattn_ops
 
 DTYPES = [torch.float32] * (cpu_kernels() != "scalar") + [torch.bfloat16] * bf16_available()
@@ -56,12 +56,12 @@ def test_tiled_refuses_what_it_cannot_run(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dense_projections_of_few_rows_run_on_tiles_and_agree_with_onednn(dtype: torch.dtype) -> None:
-    """Up to TILED_ROWS rows take the tiled copy, more take oneDNN's packed weight; both give
+    """Up to tiled_rows() rows take the tiled copy, more take oneDNN's packed weight; both give
     the product (bf16: to its rounding). Outputs that do not fill tiles of 16 keep oneDNN only."""
     weight, bias = torch.randn(48, 96).to(dtype), torch.randn(48).to(dtype)
     linear = DenseLinear(weight, bias)
     assert linear.tiles is not None and DenseLinear(torch.randn(40, 96).to(dtype), None).tiles is None
-    for rows in [1, TILED_ROWS[dtype], TILED_ROWS[dtype] + 1]:
+    for rows in [1, tiled_rows(dtype), tiled_rows(dtype) + 1]:
         x = torch.randn(rows, 96).to(dtype)
         onednn = torch.ops.mkldnn._linear_pointwise(x, linear.weight, bias, "none", [], "")
         torch.testing.assert_close(linear(x), onednn)
@@ -87,3 +87,19 @@ def test_avx2_body_is_the_float32_sum_and_refuses_bf16() -> None:
         "    print('needs AVX2 (bfloat16: AVX512_BF16)' in str(exc))"
     )
     assert printed_under({"ATEN_CPU_CAPABILITY": "avx2"}, script) == ["True"] * 8
+
+
+@pytest.mark.parametrize("cap", ["AVX512_CORE_BF16", None])
+def test_bf16_decode_rows_leave_the_tiles_for_amx_where_onednn_has_it(cap: str | None) -> None:
+    """On AMX oneDNN's bf16 matmul beats the tiles from 16 rows on (results/amx/few_rows.*), so
+    bf16 calls of more than AMX_BF16_TILED_ROWS go to it; below AMX (the CPU has none, or
+    ONEDNN_MAX_CPU_ISA caps oneDNN under it) they keep the tiles up to TILED_ROWS."""
+    script = (
+        "import torch\nfrom serving.model.cpu_features import usable_flags\n"
+        "from serving.model.linear import AMX_BF16_TILED_ROWS, TILED_ROWS, tiled_rows\n"
+        "amx = 'amx_bf16' in usable_flags()\n"
+        "print(amx, tiled_rows(torch.bfloat16) == (AMX_BF16_TILED_ROWS if amx else TILED_ROWS[torch.bfloat16]))\n"
+        "print(tiled_rows(torch.float32) == TILED_ROWS[torch.float32])"
+    )
+    words = printed_under({"ONEDNN_MAX_CPU_ISA": cap} if cap else {}, script)
+    assert words == [str(cap is None and "amx_bf16" in cpu_flags()), "True", "True"]

@@ -48,7 +48,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from serving.config import QUANTIZATIONS
-from serving.model.cpu_features import bf16_available, cpu_kernels, int8_activations_fast, vnni_available
+from serving.model.cpu_features import (
+    bf16_available,
+    cpu_kernels,
+    int8_activations_fast,
+    usable_flags,
+    vnni_available,
+)
 from serving.model.weights import INPUTS_PER_SCALE, TILE, GroupedWeight, PairedWeight
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
@@ -88,8 +94,19 @@ TILED_ROWS = {torch.bfloat16: 64, torch.float32: 128}
 oneDNN's matmul on the default model's 30 layers (benchmarks/results/few_rows.*, AMD EPYC with
 AVX-512, 2 threads, medians): bf16 1.08-1.57x at 1-64 rows, 0.96x at 96; float32 1.17-1.61x at
 1-64, 1.10-1.14x at 96-128; float32 on an AVX2-only EPYC (results/avx2/few_rows.*) 1.09-2.21x at
-1-128. Not yet measured on AMX, where oneDNN's bf16 matmul runs on AMX's tiles
-(benchmarks/gpu_suite.sh's `host_rows` measures it on a lent GPU machine's AMX host)."""
+1-128; float32 on an Intel Xeon with AMX (results/amx/few_rows.*) 1.09-1.36x at 1-128."""
+
+AMX_BF16_TILED_ROWS = 8
+"""TILED_ROWS for bf16 where oneDNN multiplies bf16 on AMX's tiles: there its matmul takes
+17-22 ms for the 30 layers at any of 1-128 rows, and the tiles (AVX512_BF16 dot products) win
+only up to 8 rows (1.71x at 1, 1.09x at 8; 0.56x at 16, 0.19x at 64: results/amx/few_rows.*)."""
+
+
+def tiled_rows(dtype: torch.dtype) -> int:
+    """TILED_ROWS for `dtype` on this CPU (AMX_BF16_TILED_ROWS for bf16 where AMX's bf16 is usable)."""
+    if dtype == torch.bfloat16 and "amx_bf16" in usable_flags():
+        return AMX_BF16_TILED_ROWS
+    return TILED_ROWS[dtype]
 
 
 def tiles_run(weight: Tensor) -> bool:
@@ -110,7 +127,7 @@ class DenseLinear:
     (2.3-3x slower for one row here, 1.1-1.3x for 256). Elsewhere F.linear.
 
     A packed weight that vattn::tiled_linear runs (`tiles_run`) is also kept in its tiles, for
-    calls of up to TILED_ROWS rows (decode steps of few requests): they are bound by reading the
+    calls of up to tiled_rows() rows (decode steps of few requests): they are bound by reading the
     weight, which it streams faster than oneDNN's matmul and without its ~20 us a call. A second
     copy of the weight's bytes buys it."""
 
@@ -123,7 +140,7 @@ class DenseLinear:
             step = 2 if weight.dtype == torch.bfloat16 else 1
             self.tiles = weight.reshape(out // TILE, TILE, inputs // step, step).permute(0, 2, 1, 3).contiguous()
             self.tiles_bias = None if bias is None else bias.float().contiguous()
-            self.tiled_rows = TILED_ROWS[weight.dtype]
+            self.tiled_rows = tiled_rows(weight.dtype)
             self._tiled_linear = vattn_ops().tiled_linear
         # Packed, the weight is oneDNN's own copy (the loaded one is not kept beside it).
         self.weight = (
