@@ -94,12 +94,13 @@ TILED_ROWS = {torch.bfloat16: 64, torch.float32: 128}
 oneDNN's matmul on the default model's 30 layers (benchmarks/results/few_rows.*, AMD EPYC with
 AVX-512, 2 threads, medians): bf16 1.08-1.57x at 1-64 rows, 0.96x at 96; float32 1.17-1.61x at
 1-64, 1.10-1.14x at 96-128; float32 on an AVX2-only EPYC (results/avx2/few_rows.*) 1.09-2.21x at
-1-128; float32 on an Intel Xeon with AMX (results/amx/few_rows.*) 1.09-1.36x at 1-128."""
+1-128; float32 on an Intel Xeon with AMX (results/amx/few_rows.*) 1.02-1.48x at 1-128."""
 
 AMX_BF16_TILED_ROWS = 8
 """TILED_ROWS for bf16 where oneDNN multiplies bf16 on AMX's tiles: there its matmul takes
-17-22 ms for the 30 layers at any of 1-128 rows, and the tiles (AVX512_BF16 dot products) win
-only up to 8 rows (1.71x at 1, 1.09x at 8; 0.56x at 16, 0.19x at 64: results/amx/few_rows.*)."""
+11-22 ms for the 30 layers at any of 1-128 rows, and the tiles (AVX512_BF16 dot products) win
+up to about 8 rows (1.75x at 1, 1.23x at 4, level at 8; 0.51x at 16, 0.19x at 64:
+results/amx/few_rows.*)."""
 
 
 def tiled_rows(dtype: torch.dtype) -> int:
