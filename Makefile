@@ -68,7 +68,7 @@ $(FAKE_CUDA): tests/fake_cuda/shim.c
 # AVX-512 bodies carry their own target attributes and are chosen at run time, so an AVX-512
 # machine compiles (and its AVX2 paths run) exactly what an AVX2-only one does. Older CPUs: native.
 OPS_ARCH := $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo x86-64-v3 || echo native)
-OPS_SOURCES := native/ragged_attention.cpp native/tiled_linear.cpp native/int8_linear.cpp native/grouped_linear.cpp native/paired_linear.cpp native/widened_linear.cpp native/rms_norm.cpp native/rotary.cpp native/silu_and_mul.cpp
+OPS_SOURCES := native/ragged_attention.cpp native/brgemm_attention.cpp native/tiled_linear.cpp native/int8_linear.cpp native/grouped_linear.cpp native/paired_linear.cpp native/widened_linear.cpp native/rms_norm.cpp native/rotary.cpp native/silu_and_mul.cpp
 OPS_OBJECTS := $(patsubst native/%.cpp,build/ops/%.o,$(OPS_SOURCES))
 # $(PY)'s torch: its folder and C++ ABI, asked once (a Python that imports torch is ~3 s of CPU,
 # twice a source when each recipe asked).
@@ -87,7 +87,7 @@ $(TORCH_ENV): $(TORCH_STAMP)
 build/ops/torch_headers.h.gch: native/torch_headers.h Makefile $(TORCH_ENV)
 	. ./$(TORCH_ENV); c++ $(OPS_FLAGS) -x c++-header -o $@ $<
 
-build/ops/%.o: native/%.cpp native/narrow_floats.h native/fast_exp.h native/widest_simd.h native/float_tiles.h native/paired_weight.h native/attention_avx2.h native/attention_avx512.h native/attention_bf16_dots.h build/ops/torch_headers.h.gch Makefile $(TORCH_ENV)
+build/ops/%.o: native/%.cpp native/narrow_floats.h native/fast_exp.h native/widest_simd.h native/float_tiles.h native/paired_weight.h native/attention_avx2.h native/attention_avx512.h native/attention_bf16_dots.h native/brgemm_attention.h build/ops/torch_headers.h.gch Makefile $(TORCH_ENV)
 	. ./$(TORCH_ENV); c++ $(OPS_FLAGS) -Ibuild/ops -Inative -include torch_headers.h -c -o $@ $<
 
 $(filter-out build/ops/ragged_attention.o,$(OPS_OBJECTS)): | $(SETUP_FIRST)

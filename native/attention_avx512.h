@@ -32,16 +32,7 @@ struct Avx512Math {
       }
     }
   }
-  __attribute__((target("avx512f,avx2,fma"))) static __m512 exp(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT);
-    x = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2High), x);
-    x = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Low), x);
-    __m512 y = _mm512_set1_ps(kExpPoly[0]);
-    for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpPoly[i]));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, k);
-  }
+  __attribute__((target("avx512f,avx2,fma"))) static __m512 exp(__m512 x) { return fast_exp16(x); }
   __attribute__((target("avx512f,avx2,fma"))) static __m256 low_plus_high(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   }

@@ -8,6 +8,10 @@
 #include <cmath>
 #include <cstdint>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
 constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                                4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
@@ -24,3 +28,17 @@ inline float fast_exp(float x) {
   const float e = y * std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
   return x > 88.72f ? INFINITY : e;
 }
+
+#if defined(__x86_64__)
+// The same on 16 floats at once (AVX-512; the kernels' AVX-512 bodies).
+__attribute__((target("avx512f,avx2,fma"))) inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT);
+  x = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2High), x);
+  x = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Low), x);
+  __m512 y = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpPoly[i]));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, k);
+}
+#endif

@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "brgemm_attention.h"
 #include "fast_exp.h"
 #include "narrow_floats.h"
 #include "widest_simd.h"
@@ -561,6 +562,19 @@ void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
       store<QT, KT>(*k, keys, rows, news, lens, batch);
       store<QT, KT>(*v, values, rows, news, lens, batch);
     }
+    if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16>) {
+      if (brgemm_attention_runs(q.size(2))) {
+        // Prompt chunks on brgemm (AMX), the rest (decodes, short chunks) on this body.
+        PromptChunks chunks, rest;
+        for (int64_t b = 0; b < batch; ++b) (news[b] >= kBrgemmMinTokens ? chunks : rest).add(ids[b], rows[b], news[b], lens[b]);
+        if (!chunks.empty()) brgemm_attention(out, q, k_cache, v_cache, chunks, scale);
+        const SlotRows<KT> rest_keys(k_cache, rest.slots.data(), k_scales), rest_values(v_cache, rest.slots.data(), v_scales);
+        if (!rest.empty())
+          attend<Math, QT, KT>(out, q, rest_keys, rest_values, k_cache.size(2), rest.starts.data(), rest.news.data(),
+                               rest.lengths.data(), static_cast<int64_t>(rest.slots.size()), scale);
+        return;
+      }
+    }
     attend<Math, QT, KT>(out, q, keys, values, k_cache.size(2), rows, news, lens, batch, scale);
   });
 }
@@ -615,6 +629,7 @@ TORCH_LIBRARY(vattn, m) {
       "Tensor(d!)? k_scales=None, Tensor(e!)? v_scales=None) -> ()");
   m.def("attention_simd(int head_dim) -> str", &simd_for);
   m.def("attention_bf16_dots(int head_dim) -> bool", &bf16_dots);
+  m.def("attention_brgemm(int head_dim) -> bool", &brgemm_attention_runs);
 }
 
 TORCH_LIBRARY_IMPL(vattn, CPU, m) {

@@ -166,12 +166,49 @@ def test_ragged_kernel_bf16_bodies_match_float64(onednn_cap: str) -> None:
     ONEDNN_MAX_CPU_ISA does not cap it, the widening bodies elsewhere: both match float64."""
     if onednn_cap and "avx512_bf16" not in cpu_flags():
         pytest.skip("without AVX512_BF16 the cap changes no body: the uncapped case runs these")
+    native = WIDEST == "avx512" and "avx512_bf16" in cpu_flags() and not onednn_cap
+    assert printed_under_cap(BF16_CHECK, onednn_cap) == [str(native), str(native), "False"]
+
+
+def printed_under_cap(script: str, onednn_cap: str) -> list[str]:
+    """What `script` prints, word by word, in a process of its own under ONEDNN_MAX_CPU_ISA
+    `onednn_cap` ("": none, whatever this process runs under)."""
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
     env |= {"ONEDNN_MAX_CPU_ISA": onednn_cap} if onednn_cap else {}
-    result = subprocess.run([sys.executable, "-c", BF16_CHECK], env=env, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    native = WIDEST == "avx512" and "avx512_bf16" in cpu_flags() and not onednn_cap
-    assert result.stdout.split() == [str(native), str(native), "False"]
+    return result.stdout.split()
+
+
+# Prompt chunks of bf16 queries over a bf16 cache, which take oneDNN's brgemm (AMX) from
+# kBrgemmMinTokens (32) new tokens: chunks of 32-200 tokens (several items of 64 tokens, the
+# last one short) at the start of their context and after cached keys (lengths ending mid-block
+# of 64 keys), beside decodes and short chunks in the same call, slots out of order, 1-7 query
+# heads a kv head; `attention_brgemm` says whether it ran.
+BRGEMM_CHECK = (
+    AGAINST_FLOAT64.replace("slots = torch.arange(len(lengths))", "slots = torch.arange(len(lengths)).flip(0)").replace(
+        "x[b, :length]", "x[len(lengths) - 1 - b, :length]"
+    )
+    + """
+for dim, heads in [(64, 9), (64, 3), (64, 12), (128, 21), (96, 6)]:
+    k, v = (torch.randn(7, 450, 3, dim, generator=generator).bfloat16() for _ in range(2))
+    lengths, news = [32, 200, 1, 431, 97, 31, 130], [32, 200, 1, 65, 33, 31, 64]
+    q = torch.randn(sum(news), heads, dim, generator=generator).bfloat16()
+    check(q, k, v, lengths, news, 1e-2)
+    print(ops.attention_brgemm(dim), end=" ")
+"""
+)
+
+
+@pytest.mark.parametrize("onednn_cap", ["", "AVX512_CORE_BF16"])
+def test_ragged_kernel_prompt_chunks_on_brgemm_match_float64(onednn_cap: str) -> None:
+    """Where oneDNN packs bf16 for brgemm (AMX) prompt chunks run on it, the rest of the call on
+    the dot-product bodies; ONEDNN_MAX_CPU_ISA below AMX keeps every request on those. Both
+    match float64 attention."""
+    if onednn_cap and "amx_bf16" not in cpu_flags():
+        pytest.skip("without AMX the cap changes no path: the uncapped case runs these")
+    brgemm = WIDEST == "avx512" and "amx_bf16" in cpu_flags() and not onednn_cap
+    assert printed_under_cap(BRGEMM_CHECK, onednn_cap) == [str(brgemm)] * 5
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])

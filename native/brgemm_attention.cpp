@@ -1,0 +1,181 @@
+// Prompt chunks' attention on oneDNN's brgemm (see brgemm_attention.h), flash-attention style:
+// each request's keys and values are packed once per call in blocks of kKeys, in the layout
+// brgemm multiplies bf16 in (cpublas::pack); then each item (a request's kv head and kTokens of
+// its new tokens, the group's query heads as rows) walks the blocks its rows see, scores =
+// queries x keys^T on brgemm, a running softmax in float32, and values' sums += probabilities
+// (rounded to bf16) x values on brgemm.
+#include "brgemm_attention.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include "fast_exp.h"
+#include "widest_simd.h"
+
+// GCC 12's AVX-512 intrinsics headers trip these (as in ragged_attention.cpp).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+namespace {
+
+using bf16 = c10::BFloat16;
+namespace cpublas = at::native::cpublas;
+
+constexpr int64_t kKeys = 64;    // keys a block: the N of the scores' product, the K of the values'
+constexpr int64_t kTokens = 64;  // new tokens an item: its rows are these x the group's query heads
+constexpr int64_t kSlab = 64;    // the most columns oneDNN packs a B operand in (wider head_dims: slabs)
+
+// One request's kv head, packed: blocks of [head_dim x kKeys] keys^T and [kKeys x head_dim]
+// values (in slabs of kSlab columns), brgemm's B operands (keys past the length are zero).
+struct PackedKV {
+  std::vector<bf16> keys, values;
+};
+
+void pack_request(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t slot, int64_t kv, int64_t length,
+                  PackedKV& packed, std::vector<bf16>& plain) {
+  const int64_t dim = k_cache.size(3), blocks = (length + kKeys - 1) / kKeys, block = dim * kKeys;
+  const bf16* keys = k_cache.const_data_ptr<bf16>() + slot * k_cache.stride(0) + kv * k_cache.stride(2);
+  const bf16* values = v_cache.const_data_ptr<bf16>() + slot * v_cache.stride(0) + kv * v_cache.stride(2);
+  packed.keys.resize(blocks * block);
+  packed.values.resize(blocks * block);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t first = b * kKeys, n = std::min(kKeys, length - first);
+    std::fill(plain.begin(), plain.end(), bf16(0.0f));
+    for (int64_t j = 0; j < n; ++j) {  // keys^T: plain[d][j]
+      const bf16* row = keys + (first + j) * k_cache.stride(1);
+      for (int64_t d = 0; d < dim; ++d) plain[d * kKeys + j] = row[d];
+    }
+    cpublas::pack(dim, kKeys, kKeys, kKeys, at::kBFloat16, at::kBFloat16, plain.data(), &packed.keys[b * block]);
+    std::fill(plain.begin(), plain.end(), bf16(0.0f));
+    for (int64_t j = 0; j < n; ++j) std::copy_n(values + (first + j) * v_cache.stride(1), dim, &plain[j * dim]);
+    for (int64_t at = 0; at < dim; at += kSlab) {  // values: slab after slab of kSlab columns
+      const int64_t width = std::min(kSlab, dim - at);
+      cpublas::pack(kKeys, width, dim, width, at::kBFloat16, at::kBFloat16, &plain[at], &packed.values[b * block + at * kKeys]);
+    }
+  }
+}
+
+struct Item {
+  int64_t chunk, kv, first_token, tokens;
+};
+
+// One row's scores of a block (its first `visible` keys seen) folded into its running softmax:
+// probabilities (bf16) into p, its maximum and sum updated; returns the factor that rescales
+// its values' sums so far. AVX-512 (every CPU with AMX has it): GCC keeps float max and sum
+// reductions scalar without -ffast-math.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) float softmax_block(
+    const float* s, int64_t visible, float scale, float& top, float& total, bf16* p) {
+  constexpr int64_t kVectors = kKeys / 16;
+  __mmask16 live[kVectors];
+  __m512 scaled[kVectors], largest = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < kVectors; ++i) {
+    const int64_t lanes = std::clamp<int64_t>(visible - 16 * i, 0, 16);
+    live[i] = static_cast<__mmask16>((1u << lanes) - 1);
+    scaled[i] = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * i), _mm512_set1_ps(scale));
+    largest = _mm512_mask_max_ps(largest, live[i], largest, scaled[i]);
+  }
+  const float new_top = std::max(top, _mm512_reduce_max_ps(largest));
+  const float rescale = std::exp(top - new_top);  // 0 for the row's first block (top -inf)
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < kVectors; ++i) {
+    const __m512 e = _mm512_maskz_mov_ps(live[i], fast_exp16(_mm512_sub_ps(scaled[i], _mm512_set1_ps(new_top))));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+  }
+  top = new_top;
+  total = total * rescale + _mm512_reduce_add_ps(sum);
+  return rescale;
+}
+
+}  // namespace
+
+bool brgemm_attention_runs(int64_t head_dim) {
+  static const bool allowed = [] {
+    const char* asked = std::getenv("ONEDNN_MAX_CPU_ISA");
+    std::string cap = asked ? asked : "";
+    std::transform(cap.begin(), cap.end(), cap.begin(), [](unsigned char c) { return std::toupper(c); });
+    const std::string below[] = {"SSE41",         "AVX",         "AVX2",
+                                 "AVX2_VNNI",     "AVX2_VNNI_2", "AVX512_CORE",
+                                 "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX10_1_512",
+                                 "AVX512_CORE_FP16"};
+    const bool capped = std::find(std::begin(below), std::end(below), cap) != std::end(below);
+    return !capped && cpublas::could_pack(at::kBFloat16);
+  }();
+  return allowed && widest_simd() == "avx512" && head_dim % 32 == 0 && head_dim <= 256;
+}
+
+void brgemm_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const PromptChunks& chunks, double scale) {
+  const int64_t count = static_cast<int64_t>(chunks.slots.size()), kv_heads = k_cache.size(2);
+  const int64_t heads = q.size(1), dim = q.size(2), group = heads / kv_heads, block = dim * kKeys;
+  std::vector<PackedKV> packed(count * kv_heads);
+  at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<bf16> plain(block);
+    for (int64_t i = begin; i < end; ++i)
+      pack_request(k_cache, v_cache, chunks.slots[i / kv_heads], i % kv_heads, chunks.lengths[i / kv_heads], packed[i],
+                   plain);
+  });
+
+  std::vector<Item> items;
+  for (int64_t c = 0; c < count; ++c)
+    for (int64_t kv = 0; kv < kv_heads; ++kv)
+      for (int64_t t = 0; t < chunks.news[c]; t += kTokens) items.push_back({c, kv, t, std::min(kTokens, chunks.news[c] - t)});
+  // Costliest first (keys the item's last row sees), taken one at a time as threads come free.
+  const auto cost = [&](const Item& it) { return chunks.lengths[it.chunk] - chunks.news[it.chunk] + it.first_token + it.tokens; };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
+  std::atomic<int64_t> next{0};
+  const int64_t item_count = static_cast<int64_t>(items.size());
+  const bf16* q_data = q.const_data_ptr<bf16>();
+  bf16* out_data = out.mutable_data_ptr<bf16>();
+  const float scale_f = static_cast<float>(scale);
+
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), item_count), 1, [&](int64_t, int64_t) {
+    const int64_t most = kTokens * group;
+    std::vector<bf16> a(most * dim), p(most * kKeys);
+    std::vector<float> scores(most * kKeys), sums(most * dim), tops(most), totals(most);
+    for (int64_t it = next++; it < item_count; it = next++) {
+      const Item item = items[it];
+      const int64_t rows = item.tokens * group, start = chunks.starts[item.chunk] + item.first_token;
+      const int64_t first_pos = chunks.lengths[item.chunk] - chunks.news[item.chunk] + item.first_token;
+      // Row m is token m / group's query head kv * group + m % group.
+      for (int64_t m = 0; m < rows; ++m)
+        std::copy_n(q_data + (start + m / group) * q.stride(0) + (item.kv * group + m % group) * q.stride(1), dim,
+                    &a[m * dim]);
+      std::fill(tops.begin(), tops.end(), -INFINITY);
+      std::fill(totals.begin(), totals.end(), 0.0f);
+      std::fill(sums.begin(), sums.end(), 0.0f);
+      const PackedKV& kv = packed[item.chunk * kv_heads + item.kv];
+      const int64_t blocks = (first_pos + item.tokens - 1) / kKeys + 1;
+      for (int64_t b = 0; b < blocks; ++b) {
+        cpublas::brgemm(rows, kKeys, dim, dim, kKeys, kKeys, false, a.data(), &kv.keys[b * block], scores.data());
+        for (int64_t m = 0; m < rows; ++m) {
+          const int64_t visible = std::clamp<int64_t>(first_pos + m / group + 1 - b * kKeys, 0, kKeys);
+          if (visible == 0) {  // a block past this row's position: nothing to add
+            std::fill_n(&p[m * kKeys], kKeys, bf16(0.0f));
+            continue;
+          }
+          const float rescale =
+              softmax_block(&scores[m * kKeys], visible, scale_f, tops[m], totals[m], &p[m * kKeys]);
+          if (rescale != 1.0f)
+            for (int64_t d = 0; d < dim; ++d) sums[m * dim + d] *= rescale;
+        }
+        for (int64_t at = 0; at < dim; at += kSlab)
+          cpublas::brgemm(rows, std::min(kSlab, dim - at), kKeys, kKeys, std::min(kSlab, dim - at), dim, true, p.data(),
+                          &kv.values[b * block + at * kKeys], &sums[at]);
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        bf16* dst = out_data + (start + m / group) * out.stride(0) + (item.kv * group + m % group) * out.stride(1);
+        const float inv = 1.0f / totals[m];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = bf16(sums[m * dim + d] * inv);
+      }
+    }
+    cpublas::brgemm_release();
+  });
+}

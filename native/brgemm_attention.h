@@ -1,0 +1,35 @@
+// Prompt chunks' attention as matrix products on oneDNN's batch-reduce GEMM (torch's
+// at::native::cpublas::brgemm), which runs on AMX's tiles: bf16 queries over a bf16 virtual cache.
+// native/ragged_attention.cpp sends it the requests of a call that compute many new tokens; its
+// own dot-product bodies keep the decodes.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+// The requests of one call that go to brgemm_attention: each one's cache slot, first query row,
+// new tokens and length (as ragged_attention's arguments, for these requests only).
+struct PromptChunks {
+  std::vector<int64_t> slots, starts, news, lengths;
+  void add(int64_t slot, int64_t start, int64_t count, int64_t length) {
+    slots.push_back(slot), starts.push_back(start), news.push_back(count), lengths.push_back(length);
+  }
+  bool empty() const { return slots.empty(); }
+};
+
+// New tokens from which a request's chunk runs on brgemm; fewer take the dot-product body, which
+// does not pay for packing the request's keys and values (a cost that grows with its length, not
+// its new tokens). On an AMX Xeon, 2 threads, 8 requests of 128 or 512 keys: level at 16 new
+// tokens, brgemm 1.05-1.4x at 32 and 1.7-1.8x at 64, 0.1-0.8x at 1-8.
+constexpr int64_t kBrgemmMinTokens = 32;
+
+// Whether brgemm_attention runs here: oneDNN packs bf16 for brgemm on this CPU (AMX; torch's
+// cpublas::could_pack), ONEDNN_MAX_CPU_ISA does not cap oneDNN below AMX, nor ATEN_CPU_CAPABILITY
+// vattn's bodies below AVX-512 (its softmax's), and head_dim is a multiple of 32 up to 256.
+bool brgemm_attention_runs(int64_t head_dim);
+
+// Causal attention of `chunks`' new tokens (rows of q [tokens, heads, head_dim], bf16) over their
+// slots' keys and values ([slots, context, kv_heads, head_dim], bf16, the new ones already
+// stored), written to the same rows of `out`.
+void brgemm_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const PromptChunks& chunks, double scale);
