@@ -28,7 +28,7 @@ from tqdm import tqdm
 from measure.results import RESULTS_DIR, command_line, machine_facts, print_table, save_figure, write_results
 from measure.workloads import random_word_prompts
 from serving import LLM, SamplingParams
-from serving.model.loader import return_freed_memory
+from serving.heap import return_freed_memory
 
 PROMPT = "The capital of France is"
 

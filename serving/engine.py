@@ -22,8 +22,9 @@ from serving.config import EngineConfig
 from serving.default_model import ensure_default_model
 from serving.detokenizer import IncrementalDetokenizer
 from serving.executor import ModelExecutor, make_executor
+from serving.heap import keep_freed_blocks, return_freed_memory
 from serving.kv_store import KVStore
-from serving.model.loader import load_model, model_shape, return_freed_memory
+from serving.model.loader import load_model, model_shape
 from serving.outputs import RequestOutput, StreamDelta
 from serving.request import (
     Request,
@@ -98,6 +99,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(model.config.eos_token_ids or ([] if eos is None else [eos]))
         del model  # the runner holds what it uses: the rest of the loaded model goes
         return_freed_memory()
+        keep_freed_blocks()  # from here on, each step's activations reuse the last step's pages
         self._changed: dict[Request, None] = {}
         """Requests that moved since the last step() returned (ordered, no repeats)."""
         self.sleep_level: int | None = None

@@ -21,9 +21,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from serving.config import EngineConfig
+from serving.heap import keep_freed_blocks, return_freed_memory
 from serving.kv_store import IterationBatch, KVStore, make_kv_store
 from serving.model import tensor_parallel
-from serving.model.loader import ModelShape, load_model, model_shape, return_freed_memory
+from serving.model.loader import ModelShape, load_model, model_shape
 from serving.model.runner import ModelRunner, Reduce
 from serving.model.tensor_parallel import Ranks
 from vattn import CacheStats, PageBudget
@@ -282,6 +283,7 @@ def follow(config: EngineConfig, rank: int) -> None:
     executor = ModelExecutor(model, shard, kv, config.quantization, reduce=ranks.all_reduce)
     del model
     return_freed_memory()
+    keep_freed_blocks()
     try:
         while True:
             command, log, ids, slots, new_tokens = ranks.broadcast(None)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
-import gc
 import json
 import os
 from collections.abc import Iterator
@@ -128,15 +126,6 @@ def gguf_parsed_once() -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
-
-
-def return_freed_memory() -> None:
-    """Gives the heap's free pages back to the OS. Loading frees GBs of temporaries (a GGUF is
-    dequantized whole, fp32 projections are dropped once fused or quantized) that glibc would
-    otherwise keep: 1.09 GB of RSS becomes 0.51 GB for the default GGUF."""
-    gc.collect()  # a loaded model's modules refer to each other: collected, not freed by refcounts
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to ask
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def model_shape(model: CausalLM) -> ModelShape:
