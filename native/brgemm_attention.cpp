@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cctype>
 #include <cmath>
+#include <optional>
 #include <cstdlib>
 #include <string>
 
@@ -38,23 +39,40 @@ struct PackedKV {
   std::vector<bf16> keys, values;
 };
 
-void pack_request(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t slot, int64_t kv, int64_t length,
+// A cache's rows as bf16: its own (a bf16 cache), or an int8 cache's widened by their scales and
+// rounded to bf16 (an int8 cache under a bf16 model).
+struct CacheRows {
+  const at::Tensor& cache;
+  const std::optional<at::Tensor>& scales;
+  void read(int64_t slot, int64_t kv, int64_t position, bf16* dst) const {
+    const int64_t at = slot * cache.stride(0) + position * cache.stride(1) + kv * cache.stride(2), dim = cache.size(3);
+    if (!scales) {
+      std::copy_n(cache.const_data_ptr<bf16>() + at, dim, dst);
+      return;
+    }
+    const int8_t* row = cache.const_data_ptr<int8_t>() + at;
+    const float factor =
+        scales->const_data_ptr<float>()[slot * scales->stride(0) + position * scales->stride(1) + kv * scales->stride(2)];
+    for (int64_t d = 0; d < dim; ++d) dst[d] = bf16(factor * static_cast<float>(row[d]));
+  }
+};
+
+void pack_request(const CacheRows& keys, const CacheRows& values, int64_t slot, int64_t kv, int64_t length,
                   PackedKV& packed, std::vector<bf16>& plain) {
-  const int64_t dim = k_cache.size(3), blocks = (length + kKeys - 1) / kKeys, block = dim * kKeys;
-  const bf16* keys = k_cache.const_data_ptr<bf16>() + slot * k_cache.stride(0) + kv * k_cache.stride(2);
-  const bf16* values = v_cache.const_data_ptr<bf16>() + slot * v_cache.stride(0) + kv * v_cache.stride(2);
+  const int64_t dim = keys.cache.size(3), blocks = (length + kKeys - 1) / kKeys, block = dim * kKeys;
+  std::vector<bf16> row(dim);
   packed.keys.resize(blocks * block);
   packed.values.resize(blocks * block);
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t first = b * kKeys, n = std::min(kKeys, length - first);
     std::fill(plain.begin(), plain.end(), bf16(0.0f));
     for (int64_t j = 0; j < n; ++j) {  // keys^T: plain[d][j]
-      const bf16* row = keys + (first + j) * k_cache.stride(1);
+      keys.read(slot, kv, first + j, row.data());
       for (int64_t d = 0; d < dim; ++d) plain[d * kKeys + j] = row[d];
     }
     cpublas::pack(dim, kKeys, kKeys, kKeys, at::kBFloat16, at::kBFloat16, plain.data(), &packed.keys[b * block]);
     std::fill(plain.begin(), plain.end(), bf16(0.0f));
-    for (int64_t j = 0; j < n; ++j) std::copy_n(values + (first + j) * v_cache.stride(1), dim, &plain[j * dim]);
+    for (int64_t j = 0; j < n; ++j) values.read(slot, kv, first + j, &plain[j * dim]);
     for (int64_t at = 0; at < dim; at += kSlab) {  // values: slab after slab of kSlab columns
       const int64_t width = std::min(kSlab, dim - at);
       cpublas::pack(kKeys, width, dim, width, at::kBFloat16, at::kBFloat16, &plain[at], &packed.values[b * block + at * kKeys]);
@@ -112,15 +130,16 @@ bool brgemm_attention_runs(int64_t head_dim) {
 }
 
 void brgemm_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales,
                       const PromptChunks& chunks, double scale) {
   const int64_t count = static_cast<int64_t>(chunks.slots.size()), kv_heads = k_cache.size(2);
   const int64_t heads = q.size(1), dim = q.size(2), group = heads / kv_heads, block = dim * kKeys;
   std::vector<PackedKV> packed(count * kv_heads);
+  const CacheRows keys{k_cache, k_scales}, values{v_cache, v_scales};
   at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<bf16> plain(block);
     for (int64_t i = begin; i < end; ++i)
-      pack_request(k_cache, v_cache, chunks.slots[i / kv_heads], i % kv_heads, chunks.lengths[i / kv_heads], packed[i],
-                   plain);
+      pack_request(keys, values, chunks.slots[i / kv_heads], i % kv_heads, chunks.lengths[i / kv_heads], packed[i], plain);
   });
 
   std::vector<Item> items;

@@ -1,10 +1,12 @@
 // Prompt chunks' attention as matrix products on oneDNN's batch-reduce GEMM (torch's
-// at::native::cpublas::brgemm), which runs on AMX's tiles: bf16 queries over a bf16 virtual cache.
+// at::native::cpublas::brgemm), which runs on AMX's tiles: bf16 queries over a bf16 or int8
+// virtual cache.
 // native/ragged_attention.cpp sends it the requests of a call that compute many new tokens; its
 // own dot-product bodies keep the decodes.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 // The requests of one call that go to brgemm_attention: each one's cache slot, first query row,
@@ -29,7 +31,9 @@ constexpr int64_t kBrgemmMinTokens = 32;
 bool brgemm_attention_runs(int64_t head_dim);
 
 // Causal attention of `chunks`' new tokens (rows of q [tokens, heads, head_dim], bf16) over their
-// slots' keys and values ([slots, context, kv_heads, head_dim], bf16, the new ones already
-// stored), written to the same rows of `out`.
+// slots' keys and values ([slots, context, kv_heads, head_dim], the new ones already stored),
+// written to the same rows of `out`. The cache is bf16, or int8 with its rows' scales (the
+// ragged kernel's int8 cache), widened to bf16 as its rows are packed.
 void brgemm_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales,
                       const PromptChunks& chunks, double scale);

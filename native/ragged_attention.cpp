@@ -562,12 +562,12 @@ void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
       store<QT, KT>(*k, keys, rows, news, lens, batch);
       store<QT, KT>(*v, values, rows, news, lens, batch);
     }
-    if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16>) {
+    if constexpr (std::is_same_v<QT, c10::BFloat16> && (std::is_same_v<KT, c10::BFloat16> || std::is_same_v<KT, int8_t>)) {
       if (brgemm_attention_runs(q.size(2))) {
         // Prompt chunks on brgemm (AMX), the rest (decodes, short chunks) on this body.
         PromptChunks chunks, rest;
         for (int64_t b = 0; b < batch; ++b) (news[b] >= kBrgemmMinTokens ? chunks : rest).add(ids[b], rows[b], news[b], lens[b]);
-        if (!chunks.empty()) brgemm_attention(out, q, k_cache, v_cache, chunks, scale);
+        if (!chunks.empty()) brgemm_attention(out, q, k_cache, v_cache, k_scales, v_scales, chunks, scale);
         const SlotRows<KT> rest_keys(k_cache, rest.slots.data(), k_scales), rest_values(v_cache, rest.slots.data(), v_scales);
         if (!rest.empty())
           attend<Math, QT, KT>(out, q, rest_keys, rest_values, k_cache.size(2), rest.starts.data(), rest.news.data(),

@@ -184,7 +184,7 @@ def printed_under_cap(script: str, onednn_cap: str) -> list[str]:
 # kBrgemmMinTokens (32) new tokens: chunks of 32-200 tokens (several items of 64 tokens, the
 # last one short) at the start of their context and after cached keys (lengths ending mid-block
 # of 64 keys), beside decodes and short chunks in the same call, slots out of order, 1-7 query
-# heads a kv head; `attention_brgemm` says whether it ran.
+# heads a kv head, and over an int8 cache; `attention_brgemm` says whether it ran.
 BRGEMM_CHECK = (
     AGAINST_FLOAT64.replace("slots = torch.arange(len(lengths))", "slots = torch.arange(len(lengths)).flip(0)").replace(
         "x[b, :length]", "x[len(lengths) - 1 - b, :length]"
@@ -196,6 +196,10 @@ for dim, heads in [(64, 9), (64, 3), (64, 12), (128, 21), (96, 6)]:
     q = torch.randn(sum(news), heads, dim, generator=generator).bfloat16()
     check(q, k, v, lengths, news, 1e-2)
     print(ops.attention_brgemm(dim), end=" ")
+raw = [torch.randn(7, 450, 3, 64, generator=generator) for _ in range(2)]  # an int8 cache, bf16 queries
+scales = [x.abs().amax(-1) / 127 for x in raw]
+k8, v8 = (torch.round(x / s[..., None]).to(torch.int8) for x, s in zip(raw, scales))
+check(torch.randn(sum(news), 9, 64, generator=generator).bfloat16(), k8, v8, lengths, news, 2e-2, scales)
 """
 )
 
