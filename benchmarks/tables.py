@@ -258,6 +258,8 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "amx/few_rows": few_rows,
     "amx/offline_compare": offline_compare,
     "amx/offline_compare.ratios": offline_ratios,
+    "amx/serving_compare_default": serving_compare,
+    "amx/serving_compare_default.ratios": serving_ratios,
     "quality_bf16": quality,
     "quality_kv_f16": quality,
     "offline_compare": offline_compare,
