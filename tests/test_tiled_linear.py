@@ -9,7 +9,7 @@ import torch
 from checks import printed_under
 
 from serving.model.cpu_features import bf16_available, cpu_flags, cpu_kernels
-from serving.model.linear import DenseLinear, tiled_rows
+from serving.model.linear import DenseLinear, padded_rows, tiled_rows
 from vattn.ops import vattn_ops
 
 DTYPES = [torch.float32] * (cpu_kernels() != "scalar") + [torch.bfloat16] * bf16_available()
@@ -56,12 +56,13 @@ def test_tiled_refuses_what_it_cannot_run(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dense_projections_of_few_rows_run_on_tiles_and_agree_with_onednn(dtype: torch.dtype) -> None:
-    """Up to tiled_rows() rows take the tiled copy, more take oneDNN's packed weight; both give
-    the product (bf16: to its rounding). Outputs that do not fill tiles of 16 keep oneDNN only."""
+    """Up to tiled_rows() rows take the tiled copy, more take oneDNN's packed weight (padded to
+    padded_rows, the padding's rows dropped); both give the product (bf16: to its rounding).
+    Outputs that do not fill tiles of 16 keep oneDNN only."""
     weight, bias = torch.randn(48, 96).to(dtype), torch.randn(48).to(dtype)
     linear = DenseLinear(weight, bias)
     assert linear.tiles is not None and DenseLinear(torch.randn(40, 96).to(dtype), None).tiles is None
-    for rows in [1, tiled_rows(dtype), tiled_rows(dtype) + 1]:
+    for rows in [1, tiled_rows(dtype), tiled_rows(dtype) + 1, 300]:  # 300: padded to 320 rows for oneDNN
         x = torch.randn(rows, 96).to(dtype)
         onednn = torch.ops.mkldnn._linear_pointwise(x, linear.weight, bias, "none", [], "")
         torch.testing.assert_close(linear(x), onednn)
@@ -103,3 +104,11 @@ def test_bf16_decode_rows_leave_the_tiles_for_amx_where_onednn_has_it(cap: str |
     )
     words = printed_under({"ONEDNN_MAX_CPU_ISA": cap} if cap else {}, script)
     assert words == [str(cap is None and "amx_bf16" in cpu_flags()), "True", "True"]
+
+
+def test_onednn_calls_meet_few_row_counts() -> None:
+    """Calls of 1-2048 rows reach oneDNN at 44 row counts (multiples of 16 to 256, of 64 past),
+    never fewer rows than asked and at most 15 (63) more."""
+    counts = {padded_rows(rows) for rows in range(1, 2049)}
+    assert len(counts) == 16 + 28
+    assert all(0 <= padded_rows(r) - r <= (15 if r <= 256 else 63) for r in range(1, 2049))
