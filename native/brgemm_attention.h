@@ -1,5 +1,5 @@
 // Prompt chunks' attention as matrix products on oneDNN's batch-reduce GEMM (torch's
-// at::native::cpublas::brgemm), which runs on AMX's tiles: bf16 queries over a bf16 or int8
+// at::native::cpublas::brgemm), which runs on AMX: bf16 queries over a bf16 or int8
 // virtual cache.
 // native/ragged_attention.cpp sends it the requests of a call that compute many new tokens; its
 // own dot-product bodies keep the decodes.

@@ -97,7 +97,7 @@ AVX-512, 2 threads, medians): bf16 1.08-1.57x at 1-64 rows, 0.96x at 96; float32
 1-128; float32 on an Intel Xeon with AMX (results/amx/few_rows.*) 1.02-1.48x at 1-128."""
 
 AMX_BF16_TILED_ROWS = 8
-"""TILED_ROWS for bf16 where oneDNN multiplies bf16 on AMX's tiles: there its matmul takes
+"""TILED_ROWS for bf16 where oneDNN multiplies bf16 on AMX: there its matmul takes
 11-22 ms for the 30 layers at any of 1-128 rows, and the tiles (AVX512_BF16 dot products) win
 up to about 8 rows (1.75x at 1, 1.23x at 4, level at 8; 0.51x at 16, 0.19x at 64:
 results/amx/few_rows.*)."""
@@ -165,8 +165,7 @@ class DenseLinear:
             rows = x.shape[0]
             if x.dim() == 2 and (padded := padded_rows(rows)) != rows:
                 x = F.pad(x, (0, 0, 0, padded - rows))
-                return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
         return F.linear(x, self.weight, self.bias)
 
 
