@@ -15,10 +15,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "float_tiles.h"
+#include "narrow_floats.h"
 #include "paired_weight.h"
 
 namespace {
@@ -122,10 +124,114 @@ at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const a
 #endif
 }
 
+// Output o's 32 inputs of group g in one tile's bytes as float q (or q + min / scale's share):
+// 8-bit weights in steps of `Step` inputs an output (pairs as int8; quads, q8_0's, as q + 128),
+// 4-bit ones in pairs of nibbles (the first input low).
+template <int64_t Bits, int64_t Step>
+void group_of(const uint8_t* bytes, int64_t o, float* q) {
+  for (int64_t i = 0; i < kGroup; ++i) {
+    if constexpr (Bits == 4) {
+      const uint8_t byte = bytes[(i / 2) * kTile + o];
+      q[i] = static_cast<float>(i % 2 ? byte >> 4 : byte & 0x0F);
+    } else if constexpr (Step == 4) {
+      q[i] = static_cast<float>(static_cast<int>(bytes[((i / 4) * kTile + o) * 4 + i % 4]) - 128);
+    } else {
+      q[i] = static_cast<float>(static_cast<int8_t>(bytes[((i / 2) * kTile + o) * 2 + i % 2]));
+    }
+  }
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+// GCC 12 warns that the AVX-512 intrinsics' internal _mm512_undefined_*() "is" or "may be" used
+// uninitialized (a false positive: the mask selects every lane).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+
+// group_of's 32 values for 8-bit weights, times the scale, as 32 bf16 at `row`: one gather of the
+// output's pairs (or quads) from the group's bytes.
+template <int64_t Step>
+AVX512_BF16 void widen_group8(const uint8_t* bytes, int64_t o, float scale, c10::BFloat16* row) {
+  const __m512 factor = _mm512_set1_ps(scale);
+  __m512 low, high;  // inputs 0-15 and 16-31
+  if constexpr (Step == 2) {
+    // Dword k holds the output's pair k (inputs 2k, 2k + 1) in its low 16 bits.
+    const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(kTile * 2));
+    const __m512i pairs = _mm512_i32gather_epi32(index, bytes + 2 * o, 1);
+    const __m512 even = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 24), 24)), factor);
+    const __m512 odd = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 24)), factor);
+    low = _mm512_permutex2var_ps(even, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), odd);
+    high = _mm512_permutex2var_ps(even, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31),
+                                  odd);
+  } else {
+    // Quad k (inputs 4k .. 4k + 3, each q + 128) at dword 16 k + o.
+    const __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(kTile * 4));
+    const __m256i quads = _mm256_i32gather_epi32(reinterpret_cast<const int*>(bytes + 4 * o), index, 1);
+    const __m512i bias = _mm512_set1_epi32(128);
+    low = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(quads)), bias)), factor);
+    high = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(quads, 1)), bias)), factor);
+  }
+  _mm512_storeu_si512(row, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
+}
+#endif
+
+template <int64_t Bits, int64_t Step>
+void widen_all(const uint8_t* weight, const float* scales, const float* mins, int64_t tiles, int64_t groups,
+               c10::BFloat16* out) {
+  const int64_t in = groups * kGroup, group_bytes = kGroup * kTile * Bits / 8;
+#if defined(__x86_64__)
+  const bool simd = __builtin_cpu_supports("avx512bf16");
+#endif
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float q[kGroup];
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t o = 0; o < kTile; ++o) {
+          c10::BFloat16* row = out + (t * kTile + o) * in + g * kGroup;
+#if defined(__x86_64__)
+          if constexpr (Bits == 8)
+            if (simd) {
+              widen_group8<Step>(weight + (t * groups + g) * group_bytes, o, scales[(t * groups + g) * kTile + o], row);
+              continue;
+            }
+#endif
+          group_of<Bits, Step>(weight + (t * groups + g) * group_bytes, o, q);
+          const float scale = scales[(t * groups + g) * kTile + o];
+          const float min = mins ? mins[(t * groups + g) * kTile + o] : 0.0f;
+          for (int64_t i = 0; i < kGroup; ++i) row[i] = narrow<c10::BFloat16>(std::fma(scale, q[i], min));
+        }
+  });
+}
+
+at::Tensor widened_bf16(const at::Tensor& weight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                        int64_t bits, int64_t step) {
+  const auto [tiles, groups, out, in] = check_paired_bytes(weight, scales, mins, bits);
+  TORCH_CHECK(step == 2 || (step == 4 && bits == 8), "step must be 2 (pairs), or 4 (quads) for 8-bit weights");
+  at::Tensor result = at::empty({out, in}, scales.options().dtype(at::kBFloat16));
+  const auto* bytes = static_cast<const uint8_t*>(weight.const_data_ptr());
+  const float* min_of = mins ? mins->const_data_ptr<float>() : nullptr;
+  auto* dst = result.mutable_data_ptr<c10::BFloat16>();
+  if (bits == 4)
+    widen_all<4, 2>(bytes, scales.const_data_ptr<float>(), min_of, tiles, groups, dst);
+  else if (step == 4)
+    widen_all<8, 4>(bytes, scales.const_data_ptr<float>(), min_of, tiles, groups, dst);
+  else
+    widen_all<8, 2>(bytes, scales.const_data_ptr<float>(), min_of, tiles, groups, dst);
+  return result;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vattn, m) {
   m.def("widened_linear(Tensor x, Tensor weight, Tensor scales, Tensor? mins, Tensor? bias, int bits) -> Tensor");
+  m.def("widened_bf16(Tensor weight, Tensor scales, Tensor? mins, int bits, int step) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(vattn, CPU, m) { m.impl("widened_linear", &widened_linear); }
+TORCH_LIBRARY_IMPL(vattn, CPU, m) {
+  m.impl("widened_linear", &widened_linear);
+  m.impl("widened_bf16", &widened_bf16);
+}

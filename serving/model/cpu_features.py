@@ -99,6 +99,12 @@ def bf16_native() -> bool:
     return fast and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def amx_bf16_available() -> bool:
+    """Whether oneDNN multiplies bfloat16 on AMX here (bf16_native, AMX's bf16 under
+    `ONEDNN_MAX_CPU_ISA`): where its matmul costs about the same at 1 and 128 rows."""
+    return bf16_native() and "amx_bf16" in usable_flags()
+
+
 def cpu_kernels() -> str:
     """The widest SIMD path vattn's kernels take here: `avx512`, `avx2` or `scalar`, as torch's
     own CPU capability (which `ATEN_CPU_CAPABILITY` lowers) says."""

@@ -49,10 +49,10 @@ from torch import Tensor
 
 from serving.config import QUANTIZATIONS
 from serving.model.cpu_features import (
+    amx_bf16_available,
     bf16_available,
     cpu_kernels,
     int8_activations_fast,
-    usable_flags,
     vnni_available,
 )
 from serving.model.weights import INPUTS_PER_SCALE, TILE, GroupedWeight, PairedWeight
@@ -105,7 +105,7 @@ results/amx/few_rows.*)."""
 
 def tiled_rows(dtype: torch.dtype) -> int:
     """TILED_ROWS for `dtype` on this CPU (AMX_BF16_TILED_ROWS for bf16 where AMX's bf16 is usable)."""
-    if dtype == torch.bfloat16 and "amx_bf16" in usable_flags():
+    if dtype == torch.bfloat16 and amx_bf16_available():
         return AMX_BF16_TILED_ROWS
     return TILED_ROWS[dtype]
 
@@ -220,11 +220,20 @@ model's projections, medians of 3 rounds on an AVX2-only EPYC: int16 1.29x and w
 benchmarks/results/avx2/stored_rows.* gives both kernels against the float32 model at 1-2048 rows."""
 
 
+AMX_PROMPT_ROWS = 128
+"""Where oneDNN multiplies bf16 on AMX, paired weights' calls of more rows than this (prompts)
+widen the weight to bf16 once a call (vattn::widened_bf16) and multiply on oneDNN's matmul, at
+bf16's rounding of the activations and weights (as grouped_linear's bf16 prompts): 2-3x the
+VNNI dot products at 512-2048 rows on an AMX Xeon, the widening about 0.2-0.4 ms for a layer's
+largest projection."""
+
+
 class GroupedLinear:
     """`x @ W.T + b` on a GroupedWeight; activations arrive and leave in float32. Where
     paired_kernels() names a body (AVX-512 VNNI, AVX2) and the outputs fill tiles of TILE, the
     weight is held paired (PairedWeight) and calls run vattn::paired_linear (on AVX2, those of
-    more than INT16_ROWS rows vattn::widened_linear); elsewhere vattn::grouped_linear (`avx512`,
+    more than INT16_ROWS rows vattn::widened_linear; on AMX, those of more than AMX_PROMPT_ROWS
+    oneDNN's bf16 matmul on the widened weight); elsewhere vattn::grouped_linear (`avx512`,
     `avx2` or `scalar`) on the weight as given."""
 
     def __init__(
@@ -259,6 +268,8 @@ class GroupedLinear:
         AVX512_BF16, ~3x float32 at bf16's rounding (decoding rows stay float32)."""
         ops = vattn_ops()
         self._paired, self._grouped, self._widened = ops.paired_linear, ops.grouped_linear, ops.widened_linear
+        self._widened_bf16 = ops.widened_bf16
+        self.amx_prompts = isinstance(self.weight, PairedWeight) and amx_bf16_available()
 
     @classmethod
     def quantized_int8(
@@ -280,6 +291,9 @@ class GroupedLinear:
 
     def __call__(self, x: Tensor) -> Tensor:
         w, simd = self.weight, self.kernels
+        if isinstance(w, PairedWeight) and self.amx_prompts and x.numel() > AMX_PROMPT_ROWS * x.shape[-1]:
+            out = F.linear(x.to(torch.bfloat16), self._widened_bf16(w.data, w.scales, w.mins, w.bits, w.step))
+            return (out if self.bias is None else out.float() + self.bias).to(x.dtype)
         if isinstance(w, PairedWeight) and simd == "int16_avx2" and x.numel() > INT16_ROWS * x.shape[-1]:
             out = self._widened(x.float(), w.data, w.scales, w.mins, self.bias, w.bits)
         elif isinstance(w, PairedWeight):
