@@ -21,14 +21,16 @@
   float32's rate without widening each weight to float (calls of more rows, prompts, widen
   each tile of 16 outputs to float32 once and multiply in float32: `vattn::widened_linear`).
   Where outputs do not fill tiles of 16, or on CPUs without AVX2, `vattn::grouped_linear`
-  multiplies in float32. The kernels
+  multiplies in float32. On AMX, calls of more than AMX_PROMPT_ROWS rows (prompts) widen the
+  weight to bf16 and multiply on oneDNN's AMX matmul, at bf16's rounding. The kernels
   are chosen from the CPU's flags as torch chooses its own (`ATEN_CPU_CAPABILITY=avx2`
   forces the AVX2 paths). Both also run a GGUF's Q8_0, Q4_0 and Q4_1 weights as stored.
 - `q8_0`: llama.cpp's Q8_0 arithmetic: the same weights, and activations quantized per group
   of 32 to int8 (not int16), summed by vpdpbusd on AVX-512 VNNI (64 multiply-adds an
   instruction, ~1.7x int16's kernel: about 1 TFLOP/s on this machine's two cores). Its quality
   is Q8_0's (perplexity +0.23% against llama.cpp Q8_0's +0.25%), below `int8_weight_only`'s.
-  Without VNNI it runs `int8_weight_only`'s int16 body.
+  Without VNNI it runs `int8_weight_only`'s int16 body. On AMX its prompts multiply in bf16, as
+  `int8_weight_only`'s do (results/amx/quality.*: both within 0.01% of fp32's perplexity).
 - `gguf`: a GGUF file's Q8_0, Q4_0 and Q4_1 projections as the file stores them (see
   serving.model.gguf_weights), on the same kernels; projections of other types run dequantized.
 
@@ -223,9 +225,9 @@ benchmarks/results/avx2/stored_rows.* gives both kernels against the float32 mod
 AMX_PROMPT_ROWS = 128
 """Where oneDNN multiplies bf16 on AMX, paired weights' calls of more rows than this (prompts)
 widen the weight to bf16 once a call (vattn::widened_bf16) and multiply on oneDNN's matmul, at
-bf16's rounding of the activations and weights (as grouped_linear's bf16 prompts): 2-3x the
-VNNI dot products at 512-2048 rows on an AMX Xeon, the widening about 0.2-0.4 ms for a layer's
-largest projection."""
+bf16's rounding of the activations and weights (as grouped_linear's bf16 prompts): AMX's rate
+pays for the widening from a few hundred rows, and the int8 presets' prompts were most of their
+offline time on the VNNI dot products (results/amx/offline_compare_int8.* is the run after)."""
 
 
 class GroupedLinear:
