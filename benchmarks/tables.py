@@ -259,7 +259,6 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "amx/offline_compare": offline_compare,
     "amx/offline_compare.ratios": offline_ratios,
     "amx/offline_compare_int8": offline_compare,
-    "amx/offline_compare_int8.ratios": offline_ratios,
     "amx/quality": quality,
     "amx/serving_compare_default": serving_compare,
     "amx/serving_compare_default.ratios": serving_ratios,
