@@ -87,11 +87,11 @@ struct Item {
 
 // One row's scores of a block (its first `visible` keys seen) folded into its running softmax:
 // probabilities (bf16) into p, its maximum `top` updated, and where it grows, the row's values'
-// sums so far (`acc`, head_dim floats) and its sum of probabilities (`lanes`, kept as 16 partial
+// sums so far (`acc`, head_dim floats) and its sum of probabilities (`sum_parts`, kept as 16 partial
 // sums, added up once the row is done) rescaled. All on AVX-512 (every CPU with AMX has it): on
 // AMX the products take less time than this.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) void softmax_block(
-    const float* s, int64_t visible, float scale, float& top, float* lanes, float* acc, int64_t dim, bf16* p) {
+    const float* s, int64_t visible, float scale, float& top, float* sum_parts, float* acc, int64_t dim, bf16* p) {
   constexpr int64_t kVectors = kKeys / 16;
   __mmask16 live[kVectors];
   __m512 scaled[kVectors], largest = _mm512_set1_ps(-INFINITY);
@@ -102,7 +102,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))
     largest = _mm512_mask_max_ps(largest, live[i], largest, scaled[i]);
   }
   const float new_top = std::max(top, _mm512_reduce_max_ps(largest));
-  __m512 sum = _mm512_loadu_ps(lanes);
+  __m512 sum = _mm512_loadu_ps(sum_parts);
   if (new_top > top) {  // the row's first block too: its sums are zeros, times e^-87
     const __m512 rescale = fast_exp16(_mm512_set1_ps(top - new_top));
     sum = _mm512_mul_ps(sum, rescale);
@@ -114,7 +114,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
   }
-  _mm512_storeu_ps(lanes, sum);
+  _mm512_storeu_ps(sum_parts, sum);
 }
 
 }  // namespace
@@ -163,7 +163,7 @@ void brgemm_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), item_count), 1, [&](int64_t, int64_t) {
     const int64_t most = kTokens * group;
     std::vector<bf16> a(most * dim), p(most * kKeys);
-    std::vector<float> scores(most * kKeys), sums(most * dim), tops(most), lanes(most * 16);
+    std::vector<float> scores(most * kKeys), sums(most * dim), tops(most), sum_parts(most * 16);
     for (int64_t it = next++; it < item_count; it = next++) {
       const Item item = items[it];
       const int64_t rows = item.tokens * group, start = chunks.starts[item.chunk] + item.first_token;
@@ -173,7 +173,7 @@ void brgemm_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
         std::copy_n(q_data + (start + m / group) * q.stride(0) + (item.kv * group + m % group) * q.stride(1), dim,
                     &a[m * dim]);
       std::fill(tops.begin(), tops.end(), -INFINITY);
-      std::fill(lanes.begin(), lanes.end(), 0.0f);
+      std::fill(sum_parts.begin(), sum_parts.end(), 0.0f);
       std::fill(sums.begin(), sums.end(), 0.0f);
       const PackedKV& kv = packed[item.chunk * kv_heads + item.kv];
       const int64_t blocks = (first_pos + item.tokens - 1) / kKeys + 1;
@@ -185,7 +185,7 @@ void brgemm_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
             std::fill_n(&p[m * kKeys], kKeys, bf16(0.0f));
             continue;
           }
-          softmax_block(&scores[m * kKeys], visible, scale_f, tops[m], &lanes[m * 16], &sums[m * dim], dim,
+          softmax_block(&scores[m * kKeys], visible, scale_f, tops[m], &sum_parts[m * 16], &sums[m * dim], dim,
                         &p[m * kKeys]);
         }
         for (int64_t at = 0; at < dim; at += kSlab)
@@ -194,7 +194,7 @@ void brgemm_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
       }
       for (int64_t m = 0; m < rows; ++m) {
         bf16* dst = out_data + (start + m / group) * out.stride(0) + (item.kv * group + m % group) * out.stride(1);
-        const float inv = 1.0f / std::accumulate(&lanes[m * 16], &lanes[m * 16] + 16, 0.0f);
+        const float inv = 1.0f / std::accumulate(&sum_parts[m * 16], &sum_parts[m * 16] + 16, 0.0f);
         for (int64_t d = 0; d < dim; ++d) dst[d] = bf16(sums[m * dim + d] * inv);
       }
     }

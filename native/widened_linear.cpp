@@ -124,7 +124,7 @@ at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const a
 #endif
 }
 
-// Output o's 32 inputs of group g in one tile's bytes as float q (or q + min / scale's share):
+// Output o's 32 inputs of group g, from one tile's bytes, as float q:
 // 8-bit weights in steps of `Step` inputs an output (pairs as int8; quads, q8_0's, as q + 128),
 // 4-bit ones in pairs of nibbles (the first input low).
 template <int64_t Bits, int64_t Step>

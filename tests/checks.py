@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from serving.model.weights import INPUTS_PER_SCALE, GroupedWeight
 from vattn import KVCache
 from vattn.backends import VMMBackend
 from vattn.kernels import make_kernel
@@ -129,3 +130,12 @@ def printed_under(settings: dict[str, str], script: str) -> list[str]:
     env = os.environ | settings
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     return result.stdout.split()
+
+
+def four_bit_weight(out: int, inputs: int, with_mins: bool) -> GroupedWeight:
+    """Random 4-bit weights in the GGUF layout (Q4_1 with mins, else Q4_0's min = -8 * scale)."""
+    generator = torch.Generator().manual_seed(out)
+    data = torch.randint(0, 256, (out, inputs // 2), dtype=torch.uint8, generator=generator)
+    scales = torch.rand(out, inputs // INPUTS_PER_SCALE, generator=generator) / 10
+    mins = torch.randn(out, inputs // INPUTS_PER_SCALE, generator=generator) / 10 if with_mins else -8 * scales
+    return GroupedWeight(4, data, scales, mins)

@@ -7,29 +7,13 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from serving.config import QUANTIZATIONS
-from serving.model.cpu_features import (
-    amx_bf16_available,
-    bf16_available,
-    cpu_flags,
-    cpu_kernels,
-    int8_activations_fast,
-    vnni_available,
-)
-from serving.model.linear import (
-    AMX_PROMPT_ROWS,
-    INT16_ROWS,
-    DenseLinear,
-    GroupedLinear,
-    fused,
-    make_linear,
-    paired_kernels,
-)
+from serving.model.cpu_features import bf16_available, cpu_kernels, int8_activations_fast, vnni_available
+from serving.model.linear import INT16_ROWS, DenseLinear, GroupedLinear, fused, make_linear, paired_kernels
 from serving.model.runner import RescoredHead, largest_indices, lm_head
 from serving.model.weights import INPUTS_PER_SCALE, GroupedWeight, PairedWeight
-from tests.checks import printed_under
+from tests.checks import four_bit_weight
 from vattn.errors import UnavailableError
 from vattn.ops import vattn_ops
 
@@ -122,15 +106,6 @@ def test_unknown_quantization_is_refused() -> None:
     assert QUANTIZATIONS == ("none", "bf16", "int8", "int8_weight_only", "q8_0", "gguf")
 
 
-def _four_bit(out: int, inputs: int, with_mins: bool) -> GroupedWeight:
-    """Random 4-bit weights in the GGUF layout (Q4_1 with mins, else Q4_0's min = -8 * scale)."""
-    generator = torch.Generator().manual_seed(out)
-    data = torch.randint(0, 256, (out, inputs // 2), dtype=torch.uint8, generator=generator)
-    scales = torch.rand(out, inputs // INPUTS_PER_SCALE, generator=generator) / 10
-    mins = torch.randn(out, inputs // INPUTS_PER_SCALE, generator=generator) / 10 if with_mins else -8 * scales
-    return GroupedWeight(4, data, scales, mins)
-
-
 def test_four_bit_weights_hold_low_nibbles_first_then_high_ones() -> None:
     data = torch.tensor([[0x21] * 16], dtype=torch.uint8)  # low nibble 1, high nibble 2
     weight = GroupedWeight(4, data, torch.ones(1, 1), torch.zeros(1, 1))
@@ -157,7 +132,7 @@ def test_grouped_weights_compute_the_dequantized_product_on_every_path(kernels: 
     if bits == "8":
         linear = GroupedLinear.quantized_int8(torch.randn(300, 6 * INPUTS_PER_SCALE), bias, kernels, bf16_prompts=False)
     else:
-        weight = _four_bit(300, 6 * INPUTS_PER_SCALE, with_mins=bits == "4 with mins")
+        weight = four_bit_weight(300, 6 * INPUTS_PER_SCALE, with_mins=bits == "4 with mins")
         linear = GroupedLinear(weight, bias, kernels, bf16_prompts=False)
     x = torch.randn(rows, 6 * INPUTS_PER_SCALE)
     expected = x.double() @ linear.weight.dequantize().double().T + bias.double()
@@ -171,7 +146,9 @@ def test_paired_weights_are_the_grouped_bytes_reordered(bits: str) -> None:
     """PairedWeight holds the same values (and a tied embedding reads its rows there)."""
     torch.manual_seed(1)
     outputs, inputs = 48, 3 * INPUTS_PER_SCALE
-    grouped = GroupedWeight.quantize_int8(torch.randn(outputs, inputs)) if bits == "8" else _four_bit(48, inputs, True)
+    grouped = (
+        GroupedWeight.quantize_int8(torch.randn(outputs, inputs)) if bits == "8" else four_bit_weight(48, inputs, True)
+    )
     paired = PairedWeight.of(grouped)
     assert paired.data.numel() == grouped.data.numel() and paired.scales.shape == (3, 3, 16)
     assert torch.equal(paired.dequantize(), grouped.dequantize())
@@ -193,10 +170,10 @@ def test_int8_quads_are_the_grouped_weights_plus_128() -> None:
     index = torch.tensor([47, 0, 17, 17, 30])
     assert torch.equal(quads.rows(index).data, grouped.rows(index).data)
     with pytest.raises(ValueError, match="8-bit weights only"):
-        PairedWeight.of(_four_bit(48, 3 * INPUTS_PER_SCALE, True), activation_bits=8)
+        PairedWeight.of(four_bit_weight(48, 3 * INPUTS_PER_SCALE, True), activation_bits=8)
     if vnni_available():
         with pytest.raises(UnavailableError, match="8-bit weights and AVX-512 VNNI"):
-            GroupedLinear(_four_bit(48, 3 * INPUTS_PER_SCALE, True), None, "int8_vnni")
+            GroupedLinear(four_bit_weight(48, 3 * INPUTS_PER_SCALE, True), None, "int8_vnni")
 
 
 @NEEDS_INT8_VNNI
@@ -240,7 +217,7 @@ def test_paired_kernel_errs_by_at_most_int16_rounding_of_each_group(kernels: str
     if bits == "8":
         linear = GroupedLinear.quantized_int8(torch.randn(outputs, inputs), bias, kernels)
     else:
-        weight = _four_bit(outputs, inputs, with_mins=bits == "4 with mins")
+        weight = four_bit_weight(outputs, inputs, with_mins=bits == "4 with mins")
         linear = GroupedLinear(weight, bias, kernels)
     assert isinstance(linear.weight, PairedWeight)
     x = torch.randn(rows, inputs) * torch.logspace(-3, 1, inputs)  # groups of very different ranges
@@ -265,7 +242,9 @@ def test_paired_bodies_compute_the_same_bits(bits: str) -> None:
     the same order: a model's answers (and the quality measured on VNNI) are the same on both."""
     torch.manual_seed(2)
     outputs, inputs = 7 * 16, 12 * INPUTS_PER_SCALE
-    weight = GroupedWeight.quantize_int8(torch.randn(outputs, inputs)) if bits == "8" else _four_bit(112, inputs, True)
+    weight = (
+        GroupedWeight.quantize_int8(torch.randn(outputs, inputs)) if bits == "8" else four_bit_weight(112, inputs, True)
+    )
     x, bias = torch.randn(37, inputs), torch.randn(outputs)
     vnni, avx2 = (GroupedLinear(weight, bias, kernels) for kernels in ("int16_vnni", "int16_avx2"))
     assert torch.equal(paired(vnni, x), paired(avx2, x))
@@ -293,7 +272,7 @@ def test_widened_kernel_is_the_float32_product_of_the_dequantized_weights(rows: 
     if bits == "8":
         weight = GroupedWeight.quantize_int8(torch.randn(outputs, inputs))
     else:
-        four = _four_bit(outputs, inputs, with_mins=True)
+        four = four_bit_weight(outputs, inputs, with_mins=True)
         weight = GroupedWeight(4, four.data, four.scales.half().float(), four.mins.half().float())  # type: ignore[union-attr]
     stored, bias, x = PairedWeight.of(weight), torch.randn(outputs), torch.randn(rows, inputs)
     got = vattn_ops().widened_linear(x, stored.data, stored.scales, stored.mins, bias, weight.bits)
@@ -318,7 +297,7 @@ def test_widened_kernel_refuses_what_it_cannot_run() -> None:
 @pytest.mark.skipif(paired_kernels() != "int16_avx2", reason="the widened body takes prompts on AVX2 only")
 def test_avx2_runs_prompts_widened_and_decoding_rows_in_int16() -> None:
     torch.manual_seed(3)
-    linear = GroupedLinear(_four_bit(48, 4 * INPUTS_PER_SCALE, with_mins=True), torch.randn(48))
+    linear = GroupedLinear(four_bit_weight(48, 4 * INPUTS_PER_SCALE, with_mins=True), torch.randn(48))
     w, x = linear.weight, torch.randn(INT16_ROWS + 1, 4 * INPUTS_PER_SCALE)
     assert isinstance(w, PairedWeight)
     assert torch.equal(linear(x), vattn_ops().widened_linear(x, w.data, w.scales, w.mins, linear.bias, 4))
@@ -415,60 +394,3 @@ def test_the_bf16_class_rescores_its_lm_heads_top_logits_in_float32() -> None:
         assert bf16_only[0, 9] == bf16_only[0, 7]  # what the re-scoring tells apart
     assert isinstance(lm_head(head, "none"), DenseLinear)
     assert torch.equal(lm_head(head, "bf16")(x).argmax(-1), expected.argmax(-1))
-
-
-@pytest.mark.parametrize("stored", ["8-bit pairs", "8-bit quads", "4-bit with mins", "4-bit, Q4_0"])
-def test_widened_bf16_is_the_dequantized_weight_rounded_to_bf16(stored: str) -> None:
-    """vattn::widened_bf16 (AMX's prompts) reads each paired layout (int8 pairs; q8_0's quads of
-    q + 128; nibble pairs with mins) as GroupedWeight.dequantize does, then rounds to bf16."""
-    outputs, inputs = 48, 6 * INPUTS_PER_SCALE
-    if stored.startswith("8"):
-        weight = GroupedWeight.quantize_int8(torch.randn(outputs, inputs, generator=torch.Generator().manual_seed(3)))
-    else:
-        weight = _four_bit(outputs, inputs, with_mins=stored == "4-bit with mins")
-    paired = PairedWeight.of(weight, 8 if stored == "8-bit quads" else 16)
-    got = vattn_ops().widened_bf16(paired.data, paired.scales, paired.mins, paired.bits, paired.step)
-    assert got.dtype == torch.bfloat16
-    assert torch.equal(got, weight.dequantize().bfloat16())
-
-
-def test_widened_bf16_refuses_what_it_cannot_read() -> None:
-    ops, stored = vattn_ops(), PairedWeight.of(GroupedWeight.quantize_int8(torch.randn(16, 2 * INPUTS_PER_SCALE)))
-    with pytest.raises(RuntimeError, match="step must be 2 \\(pairs\\), or 4 \\(quads\\) for 8-bit weights"):
-        ops.widened_bf16(stored.data, stored.scales, None, 8, 3)
-    with pytest.raises(RuntimeError, match="weight must be contiguous uint8/int8 with 512 bytes"):
-        ops.widened_bf16(stored.data, stored.scales, stored.scales, 4, 2)
-
-
-@pytest.mark.skipif(not amx_bf16_available(), reason="oneDNN multiplies bf16 on AMX only on CPUs that have it")
-@pytest.mark.parametrize("activation_bits", [16, 8])
-def test_amx_prompts_multiply_the_widened_weight_on_onednn(activation_bits: int) -> None:
-    """On AMX, calls of more than AMX_PROMPT_ROWS rows are oneDNN's bf16 product of the bf16
-    activations and the dequantized weight rounded to bf16 (plus the float32 bias); fewer stay on
-    paired_linear's integer arithmetic."""
-    generator = torch.Generator().manual_seed(activation_bits)
-    outputs, inputs = 64, 4 * INPUTS_PER_SCALE
-    weight, bias = torch.randn(outputs, inputs, generator=generator), torch.randn(outputs, generator=generator)
-    linear = GroupedLinear.quantized_int8(weight, bias, activation_bits=activation_bits)
-    stored = GroupedWeight.quantize_int8(weight).dequantize().bfloat16()
-    x = torch.randn(AMX_PROMPT_ROWS + 1, inputs, generator=generator)
-    assert torch.equal(linear(x), F.linear(x.bfloat16(), stored).float() + bias)
-    w = linear.weight
-    assert isinstance(w, PairedWeight)
-    vnni = linear.kernels in ("int8_vnni", "int16_vnni")
-    few = x[:AMX_PROMPT_ROWS]
-    expected = vattn_ops().paired_linear(few, w.data, w.scales, w.mins, bias, w.bits, vnni, w.activation_bits)
-    assert torch.equal(linear(few), expected)
-
-
-@pytest.mark.parametrize("cap", ["AVX512_CORE_BF16", None])
-def test_amx_prompts_only_where_onednn_has_amx(cap: str | None) -> None:
-    """Below AMX (the CPU has none, or ONEDNN_MAX_CPU_ISA caps oneDNN under it) paired weights'
-    prompts stay on paired_linear."""
-    script = (
-        "import torch\nfrom serving.model.linear import GroupedLinear\n"
-        "print(GroupedLinear.quantized_int8(torch.randn(16, 64), None).amx_prompts)"
-    )
-    words = printed_under({"ONEDNN_MAX_CPU_ISA": cap} if cap else {}, script)
-    expected = cap is None and "amx_bf16" in cpu_flags() and bool(paired_kernels())
-    assert words == [str(expected)]
