@@ -298,24 +298,30 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       // One block of keys' (or values') rows for kv head `kv`, as floats: the cache's own rows,
       // or (a float16 or bfloat16 cache, read at half the bytes, or an int8 one at a quarter)
       // widened into `converted`, 16 rows at a time: never a copy of the request's K/V.
-      // Past the pass's last key, the prefetch runs on into what is read next: the item's values
-      // after its keys, the next item's keys (a guess: the other thread may take it) after its values.
       const int64_t peek = next_item.load(std::memory_order_relaxed);
       const Item* next = peek < item_count ? &items[peek] : nullptr;
+      // Token j of the stream this pass reads: its keys, run on past the last key into what is
+      // read next (the item's values after its keys; after its values, the next item's keys, a
+      // guess: the other thread may take it). nullptr past the stream's end.
+      auto stream_row = [&](const Rows& rows_of, int64_t j) -> const KT* {
+        if (j < keys) return rows_of(b, 0, key_begin + j);
+        if (&rows_of == &key_rows) return j - keys < keys ? value_rows(b, 0, key_begin + j - keys) : nullptr;
+        return next != nullptr && j - keys < next->key_end - next->key_begin
+                   ? key_rows(next->request, 0, next->key_begin + j - keys)
+                   : nullptr;
+      };
+      // Prefetches the whole rows (every kv head's, which sit together) of the n tokens
+      // kPrefetchBlocks blocks past jb, once for all kv heads.
+      const int64_t token_bytes = kv_heads * dim * static_cast<int64_t>(sizeof(KT));
+      auto prefetch_ahead = [&](const Rows& rows_of, int64_t jb, int64_t n) {
+        for (int64_t j = jb + kPrefetchBlocks * kBlock, end = j + n; j < end; ++j) {
+          const KT* row = stream_row(rows_of, j);
+          if (row == nullptr) break;
+          for (int64_t byte = 0; byte < token_bytes; byte += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + byte);
+        }
+      };
       auto block_rows = [&](const Rows& rows_of, int64_t kv, int64_t jb, int64_t n) -> const Row* const* {
         for (int64_t j = 0; j < n; ++j) sources[j] = rows_of(b, kv, key_begin + jb + j);
-        const bool keys_pass = &rows_of == &key_rows;
-        const int64_t ahead = jb + kPrefetchBlocks * kBlock;
-        for (int64_t j = ahead; j < ahead + kBlock; ++j) {
-          const KT* row = j < keys        ? rows_of(b, kv, key_begin + j)
-                          : keys_pass     ? value_rows(b, kv, key_begin + j - keys)
-                          : next != nullptr && j - keys < next->key_end - next->key_begin
-                              ? key_rows(next->request, kv, next->key_begin + j - keys)
-                              : nullptr;
-          if (row == nullptr || (keys_pass && j - keys >= keys)) break;
-          for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(KT)); byte += 64)
-            __builtin_prefetch(reinterpret_cast<const char*>(row) + byte);
-        }
         if constexpr (std::is_same_v<KT, Row>) {
           return sources.data();
         } else {
@@ -345,6 +351,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       auto by_blocks = [&](const Rows& rows_of, auto&& fn) {
         for (int64_t jb = 0, n = 0; jb < keys; jb += n) {
           n = std::min(kPairs && jb + 2 * kBlock <= keys ? 2 * kBlock : kBlock, keys - jb);
+          prefetch_ahead(rows_of, jb, n);
           for (int64_t kv = 0; kv < kv_heads; ++kv) {
             const Row* rows[2 * kBlock];
             for (int64_t at = 0; at < n; at += kBlock) {
