@@ -153,6 +153,7 @@ struct ScalarMath {
 #include "attention_avx2.h"
 #include "attention_avx512.h"
 #include "attention_bf16_dots.h"
+#include "attention_int8_dots.h"
 #endif
 
 // The largest of a lane's `count` scores (-inf for none): the body's SIMD version where it has one.
@@ -184,37 +185,55 @@ void accumulate_lanes(float* const* acc, const float* const* p, int64_t count, c
     for (int64_t l = 0; l < count; ++l) Math::accumulate(acc[l], p[l], values, n, dim);
 }
 
+// One (token, kv head) row into an int8 cache: round(x / scale), scale = its largest magnitude
+// / 127 (kMinScale for a zero row, as vLLM's 1e-6, so no scale is ever 0). Written to
+// vectorize: |x / scale| <= 127, where adding and taking away 1.5 x 2^23 rounds to nearest even
+// as nearbyint does (a call GCC will not vectorize).
+template <typename QT>
+float quantize_row(const QT* from, int8_t* to, int64_t dim) {
+  float largest = 0.0f;
+#pragma omp simd reduction(max : largest)
+  for (int64_t d = 0; d < dim; ++d) largest = std::max(largest, std::abs(widen(from[d])));
+  const float scale = std::max(largest / 127.0f, kMinScale);
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) {
+    const float rounded = (widen(from[d]) / scale + 12582912.0f) - 12582912.0f;
+    to[d] = static_cast<int8_t>(std::clamp(rounded, -127.0f, 127.0f));
+  }
+  return scale;
+}
+
 // Writes the new tokens' K or V (rows [starts[b], starts[b] + news[b]) of `fresh`, [tokens,
 // kv_heads, head_dim] in the query's dtype) at request b's positions [lengths[b] - news[b],
 // lengths[b]), rounded to the cache's dtype as torch's conversion rounds (to nearest even);
-// into an int8 cache, each (token, kv head) row quantized with its own scale (a zero row gets
-// kMinScale, as vLLM's 1e-6, so no scale is ever 0).
-// One pass inside the call that reads them: a decode step at one request is otherwise
-// dominated by the two indexed copies per layer that did this.
+// into an int8 cache, each (token, kv head) row quantized with its own scale (quantize_row).
+// One pass inside the call that reads them, the tokens split over the threads: a decode step at
+// one request is otherwise dominated by the two indexed copies per layer that did this.
 template <typename QT, typename KT, typename Rows>
 void store(const at::Tensor& fresh, const Rows& rows, const int64_t* starts, const int64_t* news,
            const int64_t* lengths, int64_t batch) {
   const int64_t kv_heads = fresh.size(1), dim = fresh.size(2);
   const QT* data = fresh.const_data_ptr<QT>();
+  std::vector<std::pair<int64_t, int64_t>> tokens;  // (request, its j-th new token)
   for (int64_t b = 0; b < batch; ++b)
-    for (int64_t j = 0; j < news[b]; ++j)
+    for (int64_t j = 0; j < news[b]; ++j) tokens.emplace_back(b, j);
+  at::parallel_for(0, static_cast<int64_t>(tokens.size()), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const auto [b, j] = tokens[t];
+      const int64_t position = lengths[b] - news[b] + j;
       for (int64_t kv = 0; kv < kv_heads; ++kv) {
         const QT* from = data + (starts[b] + j) * fresh.stride(0) + kv * fresh.stride(1);
-        const int64_t position = lengths[b] - news[b] + j;
         KT* to = const_cast<KT*>(rows(b, kv, position));
         if constexpr (std::is_same_v<KT, int8_t>) {
-          float largest = 0.0f;
-          for (int64_t d = 0; d < dim; ++d) largest = std::max(largest, std::abs(static_cast<float>(from[d])));
-          const float scale = std::max(largest / 127.0f, kMinScale);
-          for (int64_t d = 0; d < dim; ++d)
-            to[d] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(from[d]) / scale), -127.0f, 127.0f));
-          *rows.scale(b, kv, position) = scale;
+          *rows.scale(b, kv, position) = quantize_row(from, to, dim);
         } else if constexpr (std::is_same_v<QT, KT>) {
           std::copy(from, from + dim, to);
         } else {
           for (int64_t d = 0; d < dim; ++d) to[d] = static_cast<KT>(static_cast<float>(from[d]));
         }
       }
+    }
+  });
 }
 
 template <typename Math, typename QT, typename KT, typename Rows>
@@ -262,17 +281,21 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
   // weighted sum of values, merged into `out` after every chunk is done.
   std::vector<float> partial_max(partial_lanes), partial_sum(partial_lanes), partial_acc(partial_lanes * dim);
 
-  // The bf16 body reads queries and rows as bf16 (its scores scaled after), the others as float32
-  // (queries scaled before).
+  // The bf16 body reads queries and rows as bf16 (its scores scaled after), the int8 one rows as
+  // stored and queries as int16 with a scale each, the others both as float32 (queries scaled before).
   constexpr bool kPairs = std::is_same_v<Math, Avx512Bf16Math>;
-  using Row = std::conditional_t<kPairs, c10::BFloat16, float>;
+  constexpr bool kBytes = std::is_same_v<Math, Avx512Int8Math>;
+  using Row = std::conditional_t<kPairs, c10::BFloat16, std::conditional_t<kBytes, int8_t, float>>;
+  using Query = std::conditional_t<kBytes, int16_t, Row>;
   const int64_t item_count = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), item_count), 1, [&](int64_t, int64_t) {
     std::vector<float> scores, acc, tops, totals, converted(kBlock * dim), row_scales(kBlock);
-    std::vector<Row> queries;
+    std::vector<Query> queries;
+    std::vector<float> query_scales;
     std::vector<const float*> pointers(kBlock);
     std::vector<const KT*> sources(kBlock);
-    std::vector<const Row*> lane_queries(kTileRows * heads);
+    std::vector<const Query*> lane_queries(kTileRows * heads);
+    std::vector<const float*> lane_query_scales(kTileRows * heads);
     std::vector<float*> lane_scores(kTileRows * heads), lane_sums(kTileRows * heads);
     for (int64_t it = next_item++; it < item_count; it = next_item++) {
       const Item item = items[it];
@@ -282,13 +305,16 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       const int64_t lanes = item.rows * heads;  // (row, query head) pairs, lane = row * heads + head
       scores.assign(lanes * keys, 0.0f);
       queries.resize(lanes * dim);
+      query_scales.resize(lanes);
       acc.assign(lanes * dim, 0.0f);
       for (int64_t r = 0; r < item.rows; ++r)
         for (int64_t h = 0; h < heads; ++h) {
           const QT* src = q_data + (starts[b] + item.first_row + r) * q_row + h * q_head;
-          Row* dst = queries.data() + (r * heads + h) * dim;
+          Query* dst = queries.data() + (r * heads + h) * dim;
           if constexpr (kPairs)
             std::copy(src, src + dim, dst);
+          else if constexpr (kBytes)
+            query_scales[r * heads + h] = Math::quantize(src, dim, scale, dst);
           else
             for (int64_t d = 0; d < dim; ++d) dst[d] = widen(src[d]) * static_cast<float>(scale);
         }
@@ -300,29 +326,38 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       // widened into `converted`, 16 rows at a time: never a copy of the request's K/V.
       const int64_t peek = next_item.load(std::memory_order_relaxed);
       const Item* next = peek < item_count ? &items[peek] : nullptr;
-      // Token j of the stream this pass reads: its keys, run on past the last key into what is
-      // read next (the item's values after its keys; after its values, the next item's keys, a
-      // guess: the other thread may take it). nullptr past the stream's end.
-      auto stream_row = [&](const Rows& rows_of, int64_t j) -> const KT* {
-        if (j < keys) return rows_of(b, 0, key_begin + j);
-        if (&rows_of == &key_rows) return j - keys < keys ? value_rows(b, 0, key_begin + j - keys) : nullptr;
-        return next != nullptr && j - keys < next->key_end - next->key_begin
-                   ? key_rows(next->request, 0, next->key_begin + j - keys)
-                   : nullptr;
+      // Token j of the stream this pass reads, as (its rows, request, position): its keys, run on
+      // past the last key into what is read next (the item's values after its keys; after its
+      // values, the next item's keys, a guess: the other thread may take it). No rows past the end.
+      struct Token {
+        const Rows* rows;
+        int64_t request, position;
+      };
+      auto stream_token = [&](const Rows& rows_of, int64_t j) -> Token {
+        if (j < keys) return {&rows_of, b, key_begin + j};
+        if (&rows_of == &key_rows) return {j - keys < keys ? &value_rows : nullptr, b, key_begin + j - keys};
+        const bool more = next != nullptr && j - keys < next->key_end - next->key_begin;
+        return {more ? &key_rows : nullptr, more ? next->request : 0, more ? next->key_begin + j - keys : 0};
       };
       // Prefetches the whole rows (every kv head's, which sit together) of the n tokens
-      // kPrefetchBlocks blocks past jb, once for all kv heads.
+      // kPrefetchBlocks blocks past jb, once for all kv heads, and an int8 cache's scales.
       const int64_t token_bytes = kv_heads * dim * static_cast<int64_t>(sizeof(KT));
       auto prefetch_ahead = [&](const Rows& rows_of, int64_t jb, int64_t n) {
         for (int64_t j = jb + kPrefetchBlocks * kBlock, end = j + n; j < end; ++j) {
-          const KT* row = stream_row(rows_of, j);
-          if (row == nullptr) break;
-          for (int64_t byte = 0; byte < token_bytes; byte += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + byte);
+          const Token token = stream_token(rows_of, j);
+          if (token.rows == nullptr) break;
+          const auto* row = reinterpret_cast<const char*>((*token.rows)(token.request, 0, token.position));
+          for (int64_t byte = 0; byte < token_bytes; byte += 64) __builtin_prefetch(row + byte);
+          if constexpr (std::is_same_v<KT, int8_t>)
+            if (j % 4 == 0) __builtin_prefetch(token.rows->scale(token.request, 0, token.position));
         }
       };
       auto block_rows = [&](const Rows& rows_of, int64_t kv, int64_t jb, int64_t n) -> const Row* const* {
         for (int64_t j = 0; j < n; ++j) sources[j] = rows_of(b, kv, key_begin + jb + j);
-        if constexpr (std::is_same_v<KT, Row>) {
+        if constexpr (kBytes) {
+          for (int64_t j = 0; j < n; ++j) row_scales[j] = *rows_of.scale(b, kv, key_begin + jb + j);
+          return sources.data();
+        } else if constexpr (std::is_same_v<KT, Row>) {
           return sources.data();
         } else {
           if constexpr (std::is_same_v<KT, int8_t>) {
@@ -341,6 +376,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
         for (int64_t r = first_row(jb); r < item.rows; ++r)
           for (int64_t lane = r * heads + kv * group; lane < r * heads + (kv + 1) * group; ++lane, ++count) {
             lane_queries[count] = queries.data() + lane * dim;
+            lane_query_scales[count] = query_scales.data() + lane;
             lane_scores[count] = scores.data() + lane * keys + jb;
             lane_sums[count] = acc.data() + lane * dim;
           }
@@ -366,6 +402,9 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       by_blocks(key_rows, [&](const Row* const* rows, int64_t n, int64_t count) {
         if constexpr (kPairs)
           Math::dots_lanes(lane_queries.data(), lane_scores.data(), count, rows, n, dim, scale);
+        else if constexpr (kBytes)
+          Math::dots_lanes(lane_queries.data(), lane_query_scales.data(), lane_scores.data(), count, rows,
+                           row_scales.data(), n, dim);
         else
           dots_lanes<Math>(lane_queries.data(), lane_scores.data(), count, rows, n, dim);
       });
@@ -381,6 +420,8 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       by_blocks(value_rows, [&](const Row* const* rows, int64_t n, int64_t count) {
         if constexpr (kPairs)
           Math::accumulate_lanes(lane_sums.data(), lane_scores.data(), count, rows, n, dim);
+        else if constexpr (kBytes)
+          Math::accumulate_lanes(lane_sums.data(), lane_scores.data(), count, rows, row_scales.data(), n, dim);
         else
           accumulate_lanes<Math>(lane_sums.data(), lane_scores.data(), count, rows, n, dim);
       });
@@ -475,12 +516,30 @@ bool bf16_dots(int64_t head_dim) {
 #endif
 }
 
+// Whether bf16 queries over an int8 cache take the AVX512_VNNI body (attention_int8_dots.h): where the CPU has it, the
+// AVX-512 body is chosen, head_dim fits, and ONEDNN_MAX_CPU_ISA does not cap oneDNN below VNNI.
+bool int8_dots(int64_t head_dim) {
+#if defined(__x86_64__)
+  static const bool allowed = [] {
+    const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+    const std::string below[] = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE"};
+    const bool capped = cap && std::find(std::begin(below), std::end(below), std::string(cap)) != std::end(below);
+    return !capped && __builtin_cpu_supports("avx512vnni");
+  }();
+  return allowed && simd_for(head_dim) == "avx512" && Avx512Int8Math::fits(head_dim);
+#else
+  return false;
+#endif
+}
+
 template <typename F>
 void dispatch(at::ScalarType qt, at::ScalarType kt, int64_t head_dim, const F& f) {
   const std::string simd = simd_for(head_dim);
 #if defined(__x86_64__)
   if (qt == at::kBFloat16 && kt == at::kBFloat16 && bf16_dots(head_dim))
     return f.template operator()<Avx512Bf16Math, c10::BFloat16, c10::BFloat16>();
+  if (qt == at::kBFloat16 && kt == at::kChar && int8_dots(head_dim))
+    return f.template operator()<Avx512Int8Math, c10::BFloat16, int8_t>();
   if (simd == "avx512") return by_dtype<Avx512Math>(qt, kt, f);
   if (simd == "avx2") return by_dtype<Avx2Math>(qt, kt, f);
 #endif
@@ -636,6 +695,7 @@ TORCH_LIBRARY(vattn, m) {
       "Tensor(d!)? k_scales=None, Tensor(e!)? v_scales=None) -> ()");
   m.def("attention_simd(int head_dim) -> str", &simd_for);
   m.def("attention_bf16_dots(int head_dim) -> bool", &bf16_dots);
+  m.def("attention_int8_dots(int head_dim) -> bool", &int8_dots);
   m.def("attention_brgemm(int head_dim) -> bool", &brgemm_attention_runs);
 }
 

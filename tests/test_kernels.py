@@ -170,6 +170,35 @@ def test_ragged_kernel_bf16_bodies_match_float64(onednn_cap: str) -> None:
     assert printed_under_cap(BF16_CHECK, onednn_cap) == [str(native), str(native), "False"]
 
 
+# bf16 queries over an int8 cache: head dims that take the AVX512_VNNI body where the CPU has it
+# (64 and 128 with their queries held in registers, 96 without; multiples of 32) and one that
+# does not (48), 1-7 query heads a kv head, decodes and short chunks beside long ones, lengths
+# ending mid-block; each against float64 attention over the dequantized rows, and
+# `attention_int8_dots` saying which body ran.
+INT8_CHECK = (
+    AGAINST_FLOAT64
+    + """
+for dim, heads in [(64, 9), (128, 6), (96, 3), (48, 9), (64, 12), (64, 21)]:
+    raw = [torch.randn(6, 300, 3, dim, generator=generator) for _ in range(2)]
+    scales = [x.abs().amax(-1) / 127 for x in raw]
+    k8, v8 = (torch.round(x / s[..., None]).to(torch.int8) for x, s in zip(raw, scales))
+    q = torch.randn(101, heads, dim, generator=generator).bfloat16()
+    check(q, k8, v8, [1, 17, 40, 300, 33, 101], [1, 1, 20, 1, 33, 45], 1e-2, scales)
+    print(ops.attention_int8_dots(dim), end=" ")
+"""
+)
+
+
+@pytest.mark.parametrize("onednn_cap", ["", "AVX512_CORE"])
+def test_ragged_kernel_int8_bodies_match_float64(onednn_cap: str) -> None:
+    """The AVX512_VNNI body (int16 queries by the cache's own bytes) where the CPU has it and
+    ONEDNN_MAX_CPU_ISA does not cap it, the widening bodies elsewhere: both match float64."""
+    if onednn_cap and "avx512_vnni" not in cpu_flags():
+        pytest.skip("without AVX512_VNNI the cap changes no body: the uncapped case runs these")
+    native = WIDEST == "avx512" and "avx512_vnni" in cpu_flags() and not onednn_cap
+    assert printed_under_cap(INT8_CHECK, onednn_cap) == [str(native)] * 3 + ["False"] + [str(native)] * 2
+
+
 def printed_under_cap(script: str, onednn_cap: str) -> list[str]:
     """What `script` prints, word by word, in a process of its own under ONEDNN_MAX_CPU_ISA
     `onednn_cap` ("": none, whatever this process runs under)."""
