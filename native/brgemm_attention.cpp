@@ -119,18 +119,21 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))
 
 }  // namespace
 
+bool onednn_allows(const std::string& isa) {
+  static const std::string order[] = {"SSE41",       "AVX",         "AVX2",         "AVX2_VNNI",
+                                      "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16",
+                                      "AVX10_1_512", "AVX512_CORE_FP16", "AVX512_CORE_AMX"};
+  const char* asked = std::getenv("ONEDNN_MAX_CPU_ISA");
+  std::string cap = asked ? asked : "";
+  std::transform(cap.begin(), cap.end(), cap.begin(), [](unsigned char c) { return std::toupper(c); });
+  const auto* at_cap = std::find(std::begin(order), std::end(order), cap);
+  const auto* at_isa = std::find(std::begin(order), std::end(order), isa);
+  TORCH_CHECK(at_isa != std::end(order), "unknown oneDNN ISA ", isa);
+  return at_cap == std::end(order) || at_cap >= at_isa;  // a cap past the list (AMX_FP16, ALL) caps none of it
+}
+
 bool brgemm_attention_runs(int64_t head_dim) {
-  static const bool allowed = [] {
-    const char* asked = std::getenv("ONEDNN_MAX_CPU_ISA");
-    std::string cap = asked ? asked : "";
-    std::transform(cap.begin(), cap.end(), cap.begin(), [](unsigned char c) { return std::toupper(c); });
-    const std::string below[] = {"SSE41",         "AVX",         "AVX2",
-                                 "AVX2_VNNI",     "AVX2_VNNI_2", "AVX512_CORE",
-                                 "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX10_1_512",
-                                 "AVX512_CORE_FP16"};
-    const bool capped = std::find(std::begin(below), std::end(below), cap) != std::end(below);
-    return !capped && cpublas::could_pack(at::kBFloat16);
-  }();
+  static const bool allowed = onednn_allows("AVX512_CORE_AMX") && cpublas::could_pack(at::kBFloat16);
   return allowed && widest_simd() == "avx512" && head_dim % 32 == 0 && head_dim <= 256;
 }
 

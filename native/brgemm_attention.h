@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 // The requests of one call that go to brgemm_attention: each one's cache slot, first query row,
@@ -24,6 +25,10 @@ struct PromptChunks {
 // its new tokens). On an AMX Xeon, 2 threads, 8 requests of 128 or 512 keys: level at 16 new
 // tokens, brgemm 1.05-1.4x at 32 and 1.7-1.8x at 64, 0.1-0.8x at 1-8.
 constexpr int64_t kBrgemmMinTokens = 32;
+
+// Whether ONEDNN_MAX_CPU_ISA leaves oneDNN `isa` (one of SSE41 ... AVX512_CORE_AMX, its names),
+// which vattn's own bodies follow as torch's matmuls do: unset, or a cap at or above it.
+bool onednn_allows(const std::string& isa);
 
 // Whether brgemm_attention runs here: oneDNN packs bf16 for brgemm on this CPU (AMX; torch's
 // cpublas::could_pack), ONEDNN_MAX_CPU_ISA does not cap oneDNN below AMX, nor ATEN_CPU_CAPABILITY

@@ -504,28 +504,19 @@ std::string simd_for(int64_t head_dim) {
 // below it) does not cap it too.
 bool bf16_dots(int64_t head_dim) {
 #if defined(__x86_64__)
-  static const bool allowed = [] {
-    const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-    const std::string below[] = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"};
-    const bool capped = cap && std::find(std::begin(below), std::end(below), std::string(cap)) != std::end(below);
-    return !capped && __builtin_cpu_supports("avx512bf16");
-  }();
+  static const bool allowed = onednn_allows("AVX512_CORE_BF16") && __builtin_cpu_supports("avx512bf16");
   return allowed && simd_for(head_dim) == "avx512" && Avx512Bf16Math::fits(head_dim);
 #else
   return false;
 #endif
 }
 
-// Whether bf16 queries over an int8 cache take the AVX512_VNNI body (attention_int8_dots.h): where the CPU has it, the
-// AVX-512 body is chosen, head_dim fits, and ONEDNN_MAX_CPU_ISA does not cap oneDNN below VNNI.
+// Whether bf16 queries over an int8 cache take the AVX512_VNNI body (attention_int8_dots.h):
+// where the CPU has it, the AVX-512 body is chosen, head_dim fits, and ONEDNN_MAX_CPU_ISA does
+// not cap oneDNN below VNNI.
 bool int8_dots(int64_t head_dim) {
 #if defined(__x86_64__)
-  static const bool allowed = [] {
-    const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-    const std::string below[] = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE"};
-    const bool capped = cap && std::find(std::begin(below), std::end(below), std::string(cap)) != std::end(below);
-    return !capped && __builtin_cpu_supports("avx512vnni");
-  }();
+  static const bool allowed = onednn_allows("AVX512_CORE_VNNI") && __builtin_cpu_supports("avx512vnni");
   return allowed && simd_for(head_dim) == "avx512" && Avx512Int8Math::fits(head_dim);
 #else
   return false;
