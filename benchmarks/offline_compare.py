@@ -91,6 +91,7 @@ SYSTEMS = (
     System("vattn-f16kv", "fp32-narrowkv", vattn_config="f16kv"),
     System("vattn-bf16", "bf16", vattn_config="bf16"),
     System("vattn-bf16w", "bf16", vattn_config="bf16w"),
+    System("vattn-bf16kv8", "bf16", vattn_config="bf16kv8"),  # bf16 compute over an int8 KV cache, as OpenVINO's u8
     System("vattn-w8", "int8", vattn_config="w8"),
     System("vattn-q8", "int8", vattn_config="q8"),
     System("openvino-fp32-f32kv", "fp32", ir="ir-fp32", kv_precision="f32"),
