@@ -1,4 +1,5 @@
-"""What an int8 KV cache buys and costs against float32, on the default model, in one run.
+"""What an int8 KV cache buys and costs against the model's own KV precision (float32, or
+bfloat16 with `--dtype bfloat16`), on the default model, in one run.
 
 - capacity: bytes per token (K and V of every layer) and the most 1,000-token requests that fit
   a 256 MiB KV budget, found by stepping requests to 1,000 tokens on a KVCache of the engine's
@@ -7,11 +8,12 @@
   1K- and 4K-token contexts, random-token prompts prefilled first, each KV precision in turn
   (on 2 MiB pages: see DECODE_PAGE).
 - greedy: 48 chat prompts (8 requests about 6 topics) answered greedily, 64 tokens each, with
-  each KV precision: how many answers equal float32's and their mean common prefix.
+  each KV precision: how many answers equal the reference's and their mean common prefix.
 
 Perplexity over the same text as every preset: `python -m benchmarks.quality --configs fp32,int8kv`.
 
     python -m benchmarks.kv_precision [--kv-dtypes float32,int8] [--steps 8]
+    python -m benchmarks.kv_precision --dtype bfloat16 --kv-dtypes bfloat16,int8 --name kv_precision_bf16
 """
 
 from __future__ import annotations
@@ -53,13 +55,14 @@ TOPICS = ["the sea", "photosynthesis", "prime numbers", "the French Revolution",
 CHAT_PROMPTS = [ask.format(topic) for topic in TOPICS for ask in ASKS]
 
 
-def engine(kv_dtype: str, **options: Any) -> LLM:
-    return LLM(dtype="float32", kv_cache_dtype="auto" if kv_dtype == "float32" else kv_dtype, **options)
+def engine(dtype: str, kv_dtype: str, **options: Any) -> LLM:
+    """The default model in `dtype` over a `kv_dtype` KV cache (its own: "auto")."""
+    return LLM(dtype=dtype, kv_cache_dtype="auto" if kv_dtype == dtype else kv_dtype, **options)
 
 
-def capacity(kv_dtype: str) -> dict[str, Any]:
+def capacity(dtype: str, kv_dtype: str) -> dict[str, Any]:
     """Bytes per token, and how many REQUEST_TOKENS-token requests a BUDGET cache holds at once."""
-    llm = engine(kv_dtype, max_slots=2)
+    llm = engine(dtype, kv_dtype, max_slots=2)
     config = llm.engine.executor.kv.cache.config
     llm.close()
     config = replace(
@@ -86,15 +89,15 @@ mappings than Linux's default vm.max_map_count allows (the kernels read the same
 rows whatever the page size)."""
 
 
-def kv_bytes(kv_dtype: str, requests: int, tokens: int) -> int:
+def kv_bytes(dtype: str, kv_dtype: str, requests: int, tokens: int) -> int:
     """A KV budget that holds `requests` requests of `tokens` tokens at once (whole pages each)."""
-    llm = engine(kv_dtype, max_slots=2, page_size=DECODE_PAGE)
+    llm = engine(dtype, kv_dtype, max_slots=2, page_size=DECODE_PAGE)
     config = llm.engine.executor.kv.cache.config
     llm.close()
     return requests * config.pages_for(tokens) * config.page_group_bytes + config.page_group_bytes
 
 
-def decode_steps(kv_dtype: str, steps: int) -> list[dict[str, Any]]:
+def decode_steps(dtype: str, kv_dtype: str, steps: int) -> list[dict[str, Any]]:
     """Median decode step at each of SHAPES: the shape's prompts prefilled, then `steps` timed steps."""
     rows = []
     for batch, context in SHAPES:
@@ -104,11 +107,12 @@ def decode_steps(kv_dtype: str, steps: int) -> list[dict[str, Any]]:
         max_tokens = prefill_steps + steps + 4
         longest = context + max_tokens + 8
         llm = engine(
+            dtype,
             kv_dtype,
             max_slots=batch,
             max_context=longest,
             max_batched_tokens=PREFILL_CHUNK,
-            kv_budget=kv_bytes(kv_dtype, batch, longest),
+            kv_budget=kv_bytes(dtype, kv_dtype, batch, longest),
             page_size=DECODE_PAGE,
         )
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -136,8 +140,8 @@ def decode_steps(kv_dtype: str, steps: int) -> list[dict[str, Any]]:
     return rows
 
 
-def greedy_answers(kv_dtype: str, tokens: int) -> list[list[int]]:
-    llm = engine(kv_dtype)
+def greedy_answers(dtype: str, kv_dtype: str, tokens: int) -> list[list[int]]:
+    llm = engine(dtype, kv_dtype)
     params = SamplingParams(max_tokens=tokens, temperature=0)
     prompts = [llm.chat_prompt([{"role": "user", "content": prompt}]) for prompt in CHAT_PROMPTS]
     answers = [output.token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
@@ -158,30 +162,32 @@ def agreement(answers: list[list[int]], reference: list[list[int]]) -> dict[str,
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kv-dtypes", default="float32,int8", help="float32 first: the reference")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype")
+    parser.add_argument("--kv-dtypes", default="float32,int8", help="the model's dtype first: the reference")
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps per shape")
     parser.add_argument("--answer-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--name", default="kv_precision", help="results file stem")
     args = parser.parse_args(argv)
     kv_dtypes = args.kv_dtypes.split(",")
-    if kv_dtypes[0] != "float32":
-        parser.error("the first KV dtype is the reference: float32")
+    if kv_dtypes[0] != args.dtype:
+        parser.error(f"the first KV dtype is the reference, the model's own: {args.dtype}")
     rows: list[dict[str, Any]] = []
     reference: list[list[int]] = []
     for kv_dtype in tqdm(kv_dtypes, desc="KV precisions"):
-        answers = greedy_answers(kv_dtype, args.answer_tokens)
+        answers = greedy_answers(args.dtype, kv_dtype, args.answer_tokens)
         reference = reference or answers
-        rows.append({"table": "capacity", **capacity(kv_dtype), **agreement(answers, reference)})
-        rows += [{"table": "decode", **row} for row in decode_steps(kv_dtype, args.steps)]
-    float32_steps = {
-        (r["requests"], r["context"]): r["step_ms"] for r in rows if r["table"] == "decode" and r["kv"] == "float32"
+        rows.append({"table": "capacity", **capacity(args.dtype, kv_dtype), **agreement(answers, reference)})
+        rows += [{"table": "decode", **row} for row in decode_steps(args.dtype, kv_dtype, args.steps)]
+    reference_steps = {
+        (r["requests"], r["context"]): r["step_ms"] for r in rows if r["table"] == "decode" and r["kv"] == args.dtype
     }
     for row in rows:
         if row["table"] == "decode":
-            row["vs_float32"] = row["step_ms"] / float32_steps[(row["requests"], row["context"])]
+            row[f"vs_{args.dtype}"] = row["step_ms"] / reference_steps[(row["requests"], row["context"])]
     csv_path, json_path, png_path = write_results(
         args.out,
-        "kv_precision",
+        args.name,
         rows,
         {
             "command": command_line(),
@@ -209,9 +215,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             ("requests", "requests", 9, ""),
             ("context", "context", 8, ""),
             ("step ms", "step_ms", 9, ".1f"),
-            ("vs float32", "vs_float32", 11, ".2f"),
+            (f"vs {args.dtype}", f"vs_{args.dtype}", 11, ".2f"),
         ],
-        "decode step",
+        f"decode step, a {args.dtype} model",
     )
     plot(rows, png_path)
     print(f"\nwrote {csv_path}, {json_path}, {png_path}")
