@@ -6,22 +6,32 @@
 // each lane's query is quantized once an item to int16 (scale = its largest magnitude / 32767,
 // finer than the bf16 it comes from), a row's bytes are sign-extended to int16, and the dot
 // product is exact in int32 (|sum| <= 127 x 32767 x 512 < 2^31). A score is then query scale x
-// row scale x that integer. Value sums in float32: each row widened to floats and multiplied by
-// its probability times its scale, so nothing rounds beyond the cache's own quantization and
-// the query's int16 step. Included by ragged_attention.cpp after attention_avx512.h, whose
-// softmax it keeps.
+// row scale x that integer. Value sums the same way: a block's weights (probability x the row's
+// scale) quantized to int16 on the lane's step for the block, exact int32 sums by vpdpwssd,
+// added to float32 sums once a block. Nothing rounds beyond the cache's own quantization and
+// the two int16 steps (2^-15 of the largest, finer than bf16's 2^-8 relative). Included by
+// ragged_attention.cpp after attention_avx512.h, whose softmax it keeps.
 #pragma once
 
 struct Avx512Int8Math : Avx512Math {
   static bool fits(int64_t dim) { return dim % 32 == 0 && dim <= Avx512Math::kMaxDim; }
 
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static __m512 widen16(const c10::BFloat16* p) {
+    const __m256i narrow = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow), 16));
+  }
   // A lane's query as int16 (dst); returns its scale, the softmax's `scale` folded in.
-  static float quantize(const c10::BFloat16* q, int64_t dim, double scale, int16_t* dst) {
-    float largest = 0.0f;
-    for (int64_t d = 0; d < dim; ++d) largest = std::max(largest, std::abs(::widen(q[d])));
-    const float step = largest > 0.0f ? largest / 32767.0f : 1.0f;
-    for (int64_t d = 0; d < dim; ++d)
-      dst[d] = static_cast<int16_t>(std::clamp(std::nearbyint(::widen(q[d]) / step), -32767.0f, 32767.0f));
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static float quantize(const c10::BFloat16* q,
+                                                                                       int64_t dim, double scale,
+                                                                                       int16_t* dst) {
+    __m512 largest = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(widen16(q + d)));
+    const float top = _mm512_reduce_max_ps(largest);
+    const float step = top > 0.0f ? top / 32767.0f : 1.0f;
+    const __m512 inverse = _mm512_set1_ps(1.0f / step);
+    for (int64_t d = 0; d < dim; d += 16)  // to nearest even, as nearbyint; |q / step| <= 32767 (+ an ulp: saturates)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(widen16(q + d), inverse))));
     return step * static_cast<float>(scale);
   }
 
@@ -87,35 +97,73 @@ struct Avx512Int8Math : Avx512Math {
     });
   }
 
-  // acc[l] += sum over the block of weights[l][j] x value row j, V vectors of 16 columns from column d.
-  template <int64_t L, int64_t V>
-  __attribute__((target("avx512f,avx512bw,avx2,fma"))) static void accumulate_block(
-      float* const* acc, const float (*weights)[kBlock], const int8_t* const* values, int64_t n, int64_t d) {
-    __m512 a[L][V];
+  // A lane's weights for a block of n <= kBlock values, p_j x the row's scale, quantized to int16
+  // on the lane's own step (its largest weight / 32767) and packed two keys to a 32-bit pair
+  // (key 2k in the low half), as vpdpwssd takes them; returns the step.
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static float quantize_weights(
+      const float* p, const float* value_scales, int64_t n, uint32_t* pairs) {
+    const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const __m512 weights = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, p), _mm512_maskz_loadu_ps(live, value_scales));
+    const float largest = _mm512_reduce_max_ps(weights);
+    if (!(largest > 0.0f)) {
+      std::fill(pairs, pairs + kBlock / 2, 0u);
+      return 0.0f;
+    }
+    const __m512i steps = _mm512_cvtps_epi32(_mm512_mul_ps(weights, _mm512_set1_ps(32767.0f / largest)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs), _mm512_cvtepi32_epi16(steps));
+    return largest / 32767.0f;
+  }
+  // acc[l] += the block's values weighted by its int16 weights, times the lane's step, for L <= 4
+  // lanes and C chunks of 32 columns from column `first`: each pair of rows sign-extended to
+  // int16 and interleaved in registers (vpunpcklwd/vpunpckhwd), summed exactly in int32 by
+  // vpdpwssd, and added to the float sums once a block. Interleaved so, a chunk's sums land in
+  // columns {0-3, 8-11, 16-19, 24-27} and {4-7, 12-15, 20-23, 28-31}, put back in order at the end.
+  template <int64_t L, int64_t C>
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma"))) static void accumulate_few(
+      float* const* acc, const uint32_t (*pairs)[kBlock / 2], const float* steps, const int8_t* const* values,
+      int64_t n, int64_t first) {
+    const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    __m512i a[L][C][2];
     for (int64_t l = 0; l < L; ++l)
-      for (int64_t v = 0; v < V; ++v) a[l][v] = _mm512_loadu_ps(acc[l] + d + 16 * v);
-    for (int64_t j = 0; j < n; ++j) {
-      __m512 row[V];
-      for (int64_t v = 0; v < V; ++v)
-        row[v] = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values[j] + d + 16 * v))));
+      for (int64_t c = 0; c < C; ++c) a[l][c][0] = a[l][c][1] = _mm512_setzero_si512();
+    const auto* zeros = reinterpret_cast<const int8_t*>(kZeroRow);
+    for (int64_t k = 0; 2 * k < n; ++k) {
+      const int8_t* even = values[2 * k];
+      const int8_t* odd = 2 * k + 1 < n ? values[2 * k + 1] : zeros;
+      __m512i rows[C][2];
+      for (int64_t c = 0; c < C; ++c) {
+        const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + first + 32 * c)));
+        const __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + first + 32 * c)));
+        rows[c][0] = _mm512_unpacklo_epi16(x, y);
+        rows[c][1] = _mm512_unpackhi_epi16(x, y);
+      }
       for (int64_t l = 0; l < L; ++l) {
-        const __m512 w = _mm512_set1_ps(weights[l][j]);
-        for (int64_t v = 0; v < V; ++v) a[l][v] = _mm512_fmadd_ps(w, row[v], a[l][v]);
+        const __m512i pk = _mm512_set1_epi32(static_cast<int>(pairs[l][k]));
+        for (int64_t c = 0; c < C; ++c)
+          for (int64_t h = 0; h < 2; ++h) a[l][c][h] = _mm512_dpwssd_epi32(a[l][c][h], pk, rows[c][h]);
       }
     }
-    for (int64_t l = 0; l < L; ++l)
-      for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc[l] + d + 16 * v, a[l][v]);
+    for (int64_t l = 0; l < L; ++l) {
+      const __m512 step = _mm512_set1_ps(steps[l]);
+      for (int64_t c = 0; c < C; ++c) {
+        const __m512 low = _mm512_cvtepi32_ps(a[l][c][0]), high = _mm512_cvtepi32_ps(a[l][c][1]);
+        float* out = acc[l] + first + 32 * c;
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(step, _mm512_permutex2var_ps(low, first_half, high), _mm512_loadu_ps(out)));
+        _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(step, _mm512_permutex2var_ps(low, second_half, high),
+                                                   _mm512_loadu_ps(out + 16)));
+      }
+    }
   }
   static void accumulate_lanes(float* const* acc, const float* const* p, int64_t count, const int8_t* const* values,
                                const float* value_scales, int64_t n, int64_t dim) {
     by_fours(count, [&]<int64_t L>(int64_t l) {
-      float weights[L][kBlock];
-      for (int64_t i = 0; i < L; ++i)
-        for (int64_t j = 0; j < n; ++j) weights[i][j] = p[l + i][j] * value_scales[j];
-      int64_t d = 0;
-      for (; d + 64 <= dim; d += 64) accumulate_block<L, 4>(acc + l, weights, values, n, d);
-      if (d < dim) accumulate_block<L, 2>(acc + l, weights, values, n, d);  // dim % 32 == 0
+      uint32_t pairs[L][kBlock / 2];
+      float steps[L];
+      for (int64_t i = 0; i < L; ++i) steps[i] = quantize_weights(p[l + i], value_scales, n, pairs[i]);
+      int64_t first = 0;
+      for (; first + 64 <= dim; first += 64) accumulate_few<L, 2>(acc + l, pairs, steps, values, n, first);
+      if (first < dim) accumulate_few<L, 1>(acc + l, pairs, steps, values, n, first);  // dim % 32 == 0
     });
   }
 };

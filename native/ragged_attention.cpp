@@ -392,7 +392,8 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
             const Row* rows[2 * kBlock];
             for (int64_t at = 0; at < n; at += kBlock) {
               const int64_t part = std::min(kBlock, n - at);
-              std::copy_n(block_rows(rows_of, kv, jb + at, part), part, rows + at);
+              const Row* const* block = block_rows(rows_of, kv, jb + at, part);
+              for (int64_t j = 0; j < part; ++j) rows[at + j] = block[j];  // not std::copy_n: its rep movsq starts slowly
             }
             fn(rows, n, lanes_from(jb, kv));
           }
