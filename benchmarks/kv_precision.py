@@ -5,15 +5,16 @@ bfloat16 with `--dtype bfloat16`), on the default model, in one run.
   a 256 MiB KV budget, found by stepping requests to 1,000 tokens on a KVCache of the engine's
   own geometry (its page size and layout) until `OutOfPagesError`.
 - decode: the engine's decode step (wall ms, median of `--steps`) with 16 and 64 requests at
-  1K- and 4K-token contexts, random-token prompts prefilled first, each KV precision in turn
-  (on 2 MiB pages: see DECODE_PAGE).
+  1K- and 4K-token contexts (`--shapes`), random-token prompts prefilled first, the KV
+  precisions side by side for each shape, `--rounds` times (on 2 MiB pages: see DECODE_PAGE).
 - greedy: 48 chat prompts (8 requests about 6 topics) answered greedily, 64 tokens each, with
   each KV precision: how many answers equal the reference's and their mean common prefix.
 
 Perplexity over the same text as every preset: `python -m benchmarks.quality --configs fp32,int8kv`.
 
     python -m benchmarks.kv_precision [--kv-dtypes float32,int8] [--steps 8]
-    python -m benchmarks.kv_precision --dtype bfloat16 --kv-dtypes bfloat16,int8 --name kv_precision_bf16
+    python -m benchmarks.kv_precision --dtype bfloat16 --kv-dtypes bfloat16,int8 --name kv_precision_bf16 \\
+        --shapes 16x1024,64x1024,16x4096 --rounds 3
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from vattn import KVCache, OutOfPagesError
 from vattn.sizes import MiB
 
 BUDGET, REQUEST_TOKENS = 256 * MiB, 1000
-SHAPES = [(16, 1024), (64, 1024), (16, 4096), (64, 4096)]
-"""(requests, context tokens) of the decode steps."""
+SHAPES = "16x1024,64x1024,16x4096,64x4096"
+"""(requests x context tokens) of the decode steps."""
 ASKS = [
     "Explain {} in two sentences.",
     "Write a short poem about {}.",
@@ -97,46 +98,74 @@ def kv_bytes(dtype: str, kv_dtype: str, requests: int, tokens: int) -> int:
     return requests * config.pages_for(tokens) * config.page_group_bytes + config.page_group_bytes
 
 
-def decode_steps(dtype: str, kv_dtype: str, steps: int) -> list[dict[str, Any]]:
-    """Median decode step at each of SHAPES: the shape's prompts prefilled, then `steps` timed steps."""
+def decode_step(dtype: str, kv_dtype: str, batch: int, context: int, steps: int) -> float:
+    """Median decode step, ms, at `batch` requests of `context` tokens: their prompts prefilled,
+    then `steps` timed steps."""
+    # The first prompts decode while the later ones are prefilled (1,024 tokens an iteration):
+    # every request must still be running when the timed steps start.
+    prefill_steps = -(-batch * context // PREFILL_CHUNK) + batch
+    max_tokens = prefill_steps + steps + 4
+    longest = context + max_tokens + 8
+    llm = engine(
+        dtype,
+        kv_dtype,
+        max_slots=batch,
+        max_context=longest,
+        max_batched_tokens=PREFILL_CHUNK,
+        kv_budget=kv_bytes(dtype, kv_dtype, batch, longest),
+        page_size=DECODE_PAGE,
+    )
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    prompts = random_token_prompts(batch, context, context, llm.tokenizer.vocab_size, seed=batch + context)
+    ids = llm.engine.add_requests(prompts, [params] * batch)
+    with tqdm(total=batch, desc=f"{kv_dtype} prefill {batch} x {context}", unit="req", leave=False) as bar:
+        decoding: set[str] = set()
+        while len(decoding) < batch:
+            new = {d.request_id for d in llm.engine.step() if d.token_ids} - decoding
+            decoding |= new
+            bar.update(len(new))
+    if (running := llm.engine.stats().running) != batch:
+        raise SystemExit(f"{running} of {batch} requests running at {batch} x {context}: the step would not be theirs")
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        llm.engine.step()
+        times.append(time.perf_counter() - start)
+    for request_id in ids:
+        llm.engine.abort(request_id)
+    llm.close()
+    return 1000 * statistics.median(times)
+
+
+def decode_steps(dtype: str, kv_dtypes: list[str], shapes: list[tuple[int, int]], steps: int, rounds: int) -> list:
+    """Each shape's decode step with each KV precision in turn, `rounds` times: the median step
+    and the step's ratio to the first precision's, round by round (median and range). This
+    machine's speed drifts over minutes, so each shape's precisions run side by side."""
+    samples: dict[tuple[str, int, int], list[float]] = {}
+    for _ in tqdm(range(rounds), desc="rounds"):
+        for batch, context in shapes:
+            for kv_dtype in kv_dtypes:
+                samples.setdefault((kv_dtype, batch, context), []).append(
+                    decode_step(dtype, kv_dtype, batch, context, steps)
+                )
     rows = []
-    for batch, context in SHAPES:
-        # The first prompts decode while the later ones are prefilled (1,024 tokens an iteration):
-        # every request must still be running when the timed steps start.
-        prefill_steps = -(-batch * context // PREFILL_CHUNK) + batch
-        max_tokens = prefill_steps + steps + 4
-        longest = context + max_tokens + 8
-        llm = engine(
-            dtype,
-            kv_dtype,
-            max_slots=batch,
-            max_context=longest,
-            max_batched_tokens=PREFILL_CHUNK,
-            kv_budget=kv_bytes(dtype, kv_dtype, batch, longest),
-            page_size=DECODE_PAGE,
+    for (kv_dtype, batch, context), times in samples.items():
+        ratios = [t / r for t, r in zip(times, samples[(kv_dtypes[0], batch, context)], strict=True)]
+        rows.append(
+            {
+                "table": "decode",
+                "kv": kv_dtype,
+                "requests": batch,
+                "context": context,
+                "step_ms": statistics.median(times),
+            }
+            | {
+                "rounds_ms": times,
+                f"vs_{dtype}": statistics.median(ratios),
+                "vs_min": min(ratios),
+                "vs_max": max(ratios),
+            }
         )
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        prompts = random_token_prompts(batch, context, context, llm.tokenizer.vocab_size, seed=batch + context)
-        ids = llm.engine.add_requests(prompts, [params] * batch)
-        with tqdm(total=batch, desc=f"{kv_dtype} prefill {batch} x {context}", unit="req", leave=False) as bar:
-            decoding: set[str] = set()
-            while len(decoding) < batch:
-                new = {d.request_id for d in llm.engine.step() if d.token_ids} - decoding
-                decoding |= new
-                bar.update(len(new))
-        if (running := llm.engine.stats().running) != batch:
-            raise SystemExit(
-                f"{running} of {batch} requests running at {batch} x {context}: the step would not be theirs"
-            )
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            llm.engine.step()
-            times.append(time.perf_counter() - start)
-        for request_id in ids:
-            llm.engine.abort(request_id)
-        llm.close()
-        rows.append({"kv": kv_dtype, "requests": batch, "context": context, "step_ms": 1000 * statistics.median(times)})
     return rows
 
 
@@ -165,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype")
     parser.add_argument("--kv-dtypes", default="float32,int8", help="the model's dtype first: the reference")
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps per shape")
+    parser.add_argument("--shapes", default=SHAPES, help="requests x context of the decode steps")
+    parser.add_argument("--rounds", type=int, default=1, help="decode steps' rounds, the precisions side by side")
     parser.add_argument("--answer-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", default="kv_precision", help="results file stem")
@@ -178,13 +209,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         answers = greedy_answers(args.dtype, kv_dtype, args.answer_tokens)
         reference = reference or answers
         rows.append({"table": "capacity", **capacity(args.dtype, kv_dtype), **agreement(answers, reference)})
-        rows += [{"table": "decode", **row} for row in decode_steps(args.dtype, kv_dtype, args.steps)]
-    reference_steps = {
-        (r["requests"], r["context"]): r["step_ms"] for r in rows if r["table"] == "decode" and r["kv"] == args.dtype
-    }
-    for row in rows:
-        if row["table"] == "decode":
-            row[f"vs_{args.dtype}"] = row["step_ms"] / reference_steps[(row["requests"], row["context"])]
+    shapes = [(int(b), int(c)) for b, c in (shape.split("x") for shape in args.shapes.split(","))]
+    rows += decode_steps(args.dtype, kv_dtypes, shapes, args.steps, args.rounds)
     csv_path, json_path, png_path = write_results(
         args.out,
         args.name,
@@ -216,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             ("context", "context", 8, ""),
             ("step ms", "step_ms", 9, ".1f"),
             (f"vs {args.dtype}", f"vs_{args.dtype}", 11, ".2f"),
+            ("min", "vs_min", 6, ".2f"),
+            ("max", "vs_max", 6, ".2f"),
         ],
         f"decode step, a {args.dtype} model",
     )
@@ -226,15 +254,16 @@ def main(argv: Sequence[str] | None = None) -> None:
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     decode = [r for r in rows if r["table"] == "decode"]
     kinds = list(dict.fromkeys(r["kv"] for r in decode))
-    labels = [f"{b} x {c // 1024}K" for b, c in SHAPES]
+    shapes = list(dict.fromkeys((r["requests"], r["context"]) for r in decode))
+    labels = [f"{b} x {c // 1024}K" for b, c in shapes]
     fig, axis = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / len(kinds)
     for i, kind in enumerate(kinds):
         values = [
-            next(r["step_ms"] for r in decode if r["kv"] == kind and (r["requests"], r["context"]) == s) for s in SHAPES
+            next(r["step_ms"] for r in decode if r["kv"] == kind and (r["requests"], r["context"]) == s) for s in shapes
         ]
-        axis.bar([x + i * width for x in range(len(SHAPES))], values, width, label=f"{kind} KV")
-    axis.set_xticks([x + width * (len(kinds) - 1) / 2 for x in range(len(SHAPES))], labels)
+        axis.bar([x + i * width for x in range(len(shapes))], values, width, label=f"{kind} KV")
+    axis.set_xticks([x + width * (len(kinds) - 1) / 2 for x in range(len(shapes))], labels)
     axis.set_ylabel("decode step, ms")
     axis.set_title("the default model's decode step by KV precision (requests x context)", fontsize=9)
     axis.legend(fontsize=8)

@@ -77,10 +77,8 @@ def quality(results: dict[str, Any]) -> str:
     """Perplexity and next-token agreement of each system and preset against its float reference."""
     machine = results["machine"]
     lines = [
-        f"{machine['cpu_model']}, commit {machine['git_commit'][:7]}; `{results['command']}`",
-        "",
-        "| system | preset | perplexity | vs its float | same top-1 |",
-        "|---|---|---|---|---|",
+        f"{machine['cpu_model']}, commit {machine['git_commit'][:7]}; `{results['command']}`\n",
+        "| system | preset | perplexity | vs its float | same top-1 |\n|---|---|---|---|---|",
     ]
     for row in results["rows"]:
         change = f"{row['perplexity_change']:+.2%}" if row["perplexity_change"] else ""
@@ -219,8 +217,7 @@ def few_rows(results: dict[str, Any]) -> str:
     lines = [
         f"{machine['cpu_model']}, {machine['nproc']} cores; {results['rounds']} alternating rounds; "
         f"commit {machine['git_commit'][:7]}; `{results['command']}`",
-        "",
-        "| dtype | rows | oneDNN ms | tiles ms | tiles' GB/s | speed ratio, median (range) | DenseLinear takes |",
+        "\n| dtype | rows | oneDNN ms | tiles ms | tiles' GB/s | speed ratio, median (range) | DenseLinear takes |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
@@ -239,8 +236,7 @@ def stored_rows(results: dict[str, Any]) -> str:
     lines = [
         f"{machine['cpu_model']}, {machine['nproc']} cores; {results['rounds']} alternating rounds; "
         f"commit {machine['git_commit'][:7]}; `{results['command']}`",
-        "",
-        "| rows | int16 ms | widened ms | float32 ms | takes | its speed / float32's, median (range) |",
+        "\n| rows | int16 ms | widened ms | float32 ms | takes | its speed / float32's, median (range) |",
         "|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
@@ -248,6 +244,31 @@ def stored_rows(results: dict[str, Any]) -> str:
             f"| {row['rows']} | {row['int16_ms']:.1f} | {row['widened_ms']:.1f} | {row['float32_ms']:.1f} | "
             f"{row['chosen']} | {row['chosen_vs_float32']:.2f}x ({row['chosen_min']:.2f}-{row['chosen_max']:.2f}) |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def kv_precision(results: dict[str, Any]) -> str:
+    """A KV precision against the model's own: bytes, capacity, greedy answers; the decode step
+    (the ratio round by round: median and range)."""
+    machine, dtype, rows = results["machine"], results["args"].get("dtype", "float32"), results["rows"]
+    lines = [
+        f"{machine['cpu_model']}, {machine['nproc']} cores; a {dtype} model; commit {machine['git_commit'][:7]}; "
+        f"`{results['command']}`\n\n| KV | bytes per token | 1,000-token requests in 256 MiB | greedy answers "
+        f"equal to {dtype} KV's (of {len(results['prompts'])}; mean common prefix) |\n|---|---|---|---|",
+        *(
+            f"| {r['kv']} | {r['bytes_per_token']:,} | {r['requests_in_256_mib']} | {r['answers_equal']} "
+            f"({r['mean_common_prefix']:.1f}) |"
+            for r in rows
+            if r["table"] == "capacity"
+        ),
+        f"\n| KV | requests x context | decode step, median | vs {dtype} KV, median (range) |\n|---|---|---|---|",
+        *(
+            f"| {r['kv']} | {r['requests']} x {r['context']:,} | {r['step_ms']:.1f} ms | "
+            f"{r[f'vs_{dtype}']:.2f} ({r['vs_min']:.2f}-{r['vs_max']:.2f}) |"
+            for r in rows
+            if r["table"] == "decode"
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -260,6 +281,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "amx/offline_compare.ratios": offline_ratios,
     "amx/offline_compare_int8": offline_compare,
     "amx/quality": quality,
+    "amx/kv_precision_bf16": kv_precision,
     "amx/serving_compare_default": serving_compare,
     "amx/serving_compare_default.ratios": serving_ratios,
     "quality_bf16": quality,
