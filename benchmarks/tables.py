@@ -248,8 +248,7 @@ def stored_rows(results: dict[str, Any]) -> str:
 
 
 def kv_precision(results: dict[str, Any]) -> str:
-    """A KV precision against the model's own: bytes, capacity, greedy answers; the decode step
-    (the ratio round by round: median and range)."""
+    """A KV precision against the model's own: bytes, capacity, answers; decode step ratios by round."""
     machine, dtype, rows = results["machine"], results["args"].get("dtype", "float32"), results["rows"]
     lines = [
         f"{machine['cpu_model']}, {machine['nproc']} cores; a {dtype} model; commit {machine['git_commit'][:7]}; "
