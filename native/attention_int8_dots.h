@@ -7,9 +7,9 @@
 // finer than the bf16 it comes from), a row's bytes are sign-extended to int16, and the dot
 // product is exact in int32 (|sum| <= 127 x 32767 x 512 < 2^31). A score is then query scale x
 // row scale x that integer. Value sums the same way: a block's weights (probability x the row's
-// scale) quantized to int16 on the lane's step for the block, exact int32 sums by vpdpwssd,
+// scale) quantized to int16 on the lane's own scale for the block, exact int32 sums by vpdpwssd,
 // added to float32 sums once a block. Nothing rounds beyond the cache's own quantization and
-// the two int16 steps (2^-15 of the largest, finer than bf16's 2^-8 relative). Included by
+// the two int16 quantizations (2^-15 of the largest, finer than bf16's 2^-8 relative). Included by
 // ragged_attention.cpp after attention_avx512.h, whose softmax it keeps.
 #pragma once
 
@@ -27,12 +27,12 @@ struct Avx512Int8Math : Avx512Math {
     __m512 largest = _mm512_setzero_ps();
     for (int64_t d = 0; d < dim; d += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(widen16(q + d)));
     const float top = _mm512_reduce_max_ps(largest);
-    const float step = top > 0.0f ? top / 32767.0f : 1.0f;
-    const __m512 inverse = _mm512_set1_ps(1.0f / step);
-    for (int64_t d = 0; d < dim; d += 16)  // to nearest even, as nearbyint; |q / step| <= 32767 (+ an ulp: saturates)
+    const float unit = top > 0.0f ? top / 32767.0f : 1.0f;  // the query's own scale
+    const __m512 inverse = _mm512_set1_ps(1.0f / unit);
+    for (int64_t d = 0; d < dim; d += 16)  // to nearest even, as nearbyint; |q / unit| <= 32767 (+ an ulp: saturates)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
                           _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(widen16(q + d), inverse))));
-    return step * static_cast<float>(scale);
+    return unit * static_cast<float>(scale);
   }
 
   // The integer twins of Avx512Math's transposing tree (sum_quad, sum_quads).
@@ -92,14 +92,15 @@ struct Avx512Int8Math : Avx512Math {
                          const int8_t* const* keys, const float* key_scales, int64_t n, int64_t dim) {
     by_fours(count, [&]<int64_t L>(int64_t l) {
       if (dim == 64) return dots_few<L, 2>(q + l, query_scales + l, out + l, keys, key_scales, n, dim);
+      // Queries held in registers where they fit beside the 4 L sums (head_dim 128: 4 chunks a lane).
       if (dim == 128 && L <= 3) return dots_few<L, 4>(q + l, query_scales + l, out + l, keys, key_scales, n, dim);
       dots_few<L, 0>(q + l, query_scales + l, out + l, keys, key_scales, n, dim);
     });
   }
 
   // A lane's weights for a block of n <= kBlock values, p_j x the row's scale, quantized to int16
-  // on the lane's own step (its largest weight / 32767) and packed two keys to a 32-bit pair
-  // (key 2k in the low half), as vpdpwssd takes them; returns the step.
+  // on the lane's own scale (its largest weight / 32767) and packed two keys to a 32-bit pair
+  // (key 2k in the low half), as vpdpwssd takes them; returns that scale.
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static float quantize_weights(
       const float* p, const float* value_scales, int64_t n, uint32_t* pairs) {
     const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
@@ -109,18 +110,18 @@ struct Avx512Int8Math : Avx512Math {
       std::fill(pairs, pairs + kBlock / 2, 0u);
       return 0.0f;
     }
-    const __m512i steps = _mm512_cvtps_epi32(_mm512_mul_ps(weights, _mm512_set1_ps(32767.0f / largest)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs), _mm512_cvtepi32_epi16(steps));
+    const __m512i quantized = _mm512_cvtps_epi32(_mm512_mul_ps(weights, _mm512_set1_ps(32767.0f / largest)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs), _mm512_cvtepi32_epi16(quantized));
     return largest / 32767.0f;
   }
-  // acc[l] += the block's values weighted by its int16 weights, times the lane's step, for L <= 4
+  // acc[l] += the block's values weighted by its int16 weights, times the lane's scale, for L <= 4
   // lanes and C chunks of 32 columns from column `first`: each pair of rows sign-extended to
   // int16 and interleaved in registers (vpunpcklwd/vpunpckhwd), summed exactly in int32 by
   // vpdpwssd, and added to the float sums once a block. Interleaved so, a chunk's sums land in
   // columns {0-3, 8-11, 16-19, 24-27} and {4-7, 12-15, 20-23, 28-31}, put back in order at the end.
   template <int64_t L, int64_t C>
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma"))) static void accumulate_few(
-      float* const* acc, const uint32_t (*pairs)[kBlock / 2], const float* steps, const int8_t* const* values,
+      float* const* acc, const uint32_t (*pairs)[kBlock / 2], const float* weight_scales, const int8_t* const* values,
       int64_t n, int64_t first) {
     const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -145,12 +146,12 @@ struct Avx512Int8Math : Avx512Math {
       }
     }
     for (int64_t l = 0; l < L; ++l) {
-      const __m512 step = _mm512_set1_ps(steps[l]);
+      const __m512 scale = _mm512_set1_ps(weight_scales[l]);
       for (int64_t c = 0; c < C; ++c) {
         const __m512 low = _mm512_cvtepi32_ps(a[l][c][0]), high = _mm512_cvtepi32_ps(a[l][c][1]);
         float* out = acc[l] + first + 32 * c;
-        _mm512_storeu_ps(out, _mm512_fmadd_ps(step, _mm512_permutex2var_ps(low, first_half, high), _mm512_loadu_ps(out)));
-        _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(step, _mm512_permutex2var_ps(low, second_half, high),
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(scale, _mm512_permutex2var_ps(low, first_half, high), _mm512_loadu_ps(out)));
+        _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(scale, _mm512_permutex2var_ps(low, second_half, high),
                                                    _mm512_loadu_ps(out + 16)));
       }
     }
@@ -159,11 +160,11 @@ struct Avx512Int8Math : Avx512Math {
                                const float* value_scales, int64_t n, int64_t dim) {
     by_fours(count, [&]<int64_t L>(int64_t l) {
       uint32_t pairs[L][kBlock / 2];
-      float steps[L];
-      for (int64_t i = 0; i < L; ++i) steps[i] = quantize_weights(p[l + i], value_scales, n, pairs[i]);
+      float weight_scales[L];
+      for (int64_t i = 0; i < L; ++i) weight_scales[i] = quantize_weights(p[l + i], value_scales, n, pairs[i]);
       int64_t first = 0;
-      for (; first + 64 <= dim; first += 64) accumulate_few<L, 2>(acc + l, pairs, steps, values, n, first);
-      if (first < dim) accumulate_few<L, 1>(acc + l, pairs, steps, values, n, first);  // dim % 32 == 0
+      for (; first + 64 <= dim; first += 64) accumulate_few<L, 2>(acc + l, pairs, weight_scales, values, n, first);
+      if (first < dim) accumulate_few<L, 1>(acc + l, pairs, weight_scales, values, n, first);  // dim % 32 == 0
     });
   }
 };

@@ -500,25 +500,26 @@ std::string simd_for(int64_t head_dim) {
   return "scalar";
 }
 
-// Whether bf16 queries over a bf16 cache take the AVX512_BF16 body: where the CPU has it, the
-// AVX-512 body is chosen, head_dim fits, and ONEDNN_MAX_CPU_ISA (which caps torch's bf16 matmuls
-// below it) does not cap it too.
+// Whether a body beyond AVX-512's runs: `allowed` (the CPU has its feature and
+// ONEDNN_MAX_CPU_ISA, which caps torch's matmuls below it, does not cap it too; read once), the
+// AVX-512 body is chosen and head_dim fits it.
+bool body_runs(int64_t head_dim, bool allowed, bool fits) { return allowed && simd_for(head_dim) == "avx512" && fits; }
+
+// bf16 queries over a bf16 cache: the AVX512_BF16 body (attention_bf16_dots.h).
 bool bf16_dots(int64_t head_dim) {
 #if defined(__x86_64__)
   static const bool allowed = onednn_allows("AVX512_CORE_BF16") && __builtin_cpu_supports("avx512bf16");
-  return allowed && simd_for(head_dim) == "avx512" && Avx512Bf16Math::fits(head_dim);
+  return body_runs(head_dim, allowed, Avx512Bf16Math::fits(head_dim));
 #else
   return false;
 #endif
 }
 
-// Whether bf16 queries over an int8 cache take the AVX512_VNNI body (attention_int8_dots.h):
-// where the CPU has it, the AVX-512 body is chosen, head_dim fits, and ONEDNN_MAX_CPU_ISA does
-// not cap oneDNN below VNNI.
+// bf16 queries over an int8 cache: the AVX512_VNNI body (attention_int8_dots.h).
 bool int8_dots(int64_t head_dim) {
 #if defined(__x86_64__)
   static const bool allowed = onednn_allows("AVX512_CORE_VNNI") && __builtin_cpu_supports("avx512vnni");
-  return allowed && simd_for(head_dim) == "avx512" && Avx512Int8Math::fits(head_dim);
+  return body_runs(head_dim, allowed, Avx512Int8Math::fits(head_dim));
 #else
   return false;
 #endif
