@@ -20,7 +20,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "w8": {"dtype": "float32", "quantization": "int8_weight_only"},
     "q8": {"dtype": "float32", "quantization": "q8_0", "kv_cache_dtype": "float16"},  # llama.cpp Q8_0's, f16 KV
     "f16kv": {"dtype": "float32", "kv_cache_dtype": "float16"},  # fp32 weights and compute, f16 KV
-    "int8kv": {"dtype": "float32", "kv_cache_dtype": "int8"},  # fp32 weights, int8 KV with per-token-head scales
+    "int8kv": {"dtype": "float32", "kv_cache_dtype": "int8"},  # fp32 weights, int8 KV (asymmetric per token and head)
     "gguf": {"dtype": "float32", "quantization": "gguf"},
     "bf16w": {"dtype": "float32", "quantization": "bf16"},
     "bf16": {"dtype": "bfloat16"},

@@ -42,13 +42,13 @@ struct Avx2Math {
         _mm256_storeu_ps(dst + j * dim + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
       }
   }
-  __attribute__((target("avx2,fma"))) static void widen(const int8_t* const* rows, const float* scales, int64_t n,
-                                                       int64_t dim, float* dst) {
+  __attribute__((target("avx2,fma"))) static void widen(const int8_t* const* rows, const float* scales,
+                                                       const float* midpoints, int64_t n, int64_t dim, float* dst) {
     for (int64_t j = 0; j < n; ++j) {
-      const __m256 scale = _mm256_set1_ps(scales[j]);
+      const __m256 scale = _mm256_set1_ps(scales[j]), midpoint = _mm256_set1_ps(midpoints[j]);
       for (int64_t d = 0; d < dim; d += 8) {
         const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[j] + d)));
-        _mm256_storeu_ps(dst + j * dim + d, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(wide)));
+        _mm256_storeu_ps(dst + j * dim + d, _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(wide), midpoint));
       }
     }
   }

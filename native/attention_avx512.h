@@ -23,12 +23,13 @@ struct Avx512Math {
       }
   }
   __attribute__((target("avx512f,avx2,fma"))) static void widen(const int8_t* const* rows, const float* scales,
-                                                                int64_t n, int64_t dim, float* dst) {
+                                                                const float* midpoints, int64_t n, int64_t dim,
+                                                                float* dst) {
     for (int64_t j = 0; j < n; ++j) {
-      const __m512 scale = _mm512_set1_ps(scales[j]);
+      const __m512 scale = _mm512_set1_ps(scales[j]), midpoint = _mm512_set1_ps(midpoints[j]);
       for (int64_t d = 0; d < dim; d += 16) {
         const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + d)));
-        _mm512_storeu_ps(dst + j * dim + d, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(wide)));
+        _mm512_storeu_ps(dst + j * dim + d, _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(wide), midpoint));
       }
     }
   }

@@ -9,7 +9,8 @@
 // row scale x that integer. Value sums the same way: a block's weights (probability x the row's
 // scale) quantized to int16 on the lane's own scale for the block, exact int32 sums by vpdpwssd,
 // added to float32 sums once a block. Nothing rounds beyond the cache's own quantization and
-// the two int16 quantizations (2^-15 of the largest, finer than bf16's 2^-8 relative). Included by
+// the two int16 quantizations (2^-15 of the largest, finer than bf16's 2^-8 relative). The rows'
+// midpoints are not in these products: the caller (attend) adds them. Included by
 // ragged_attention.cpp after attention_avx512.h, whose softmax it keeps.
 #pragma once
 

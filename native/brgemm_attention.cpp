@@ -41,6 +41,7 @@ struct PackedKV {
 };
 
 // A cache's rows as bf16: its own (a bf16 cache), or an int8 cache's widened by their scales and
+// midpoints and
 // rounded to bf16 (an int8 cache under a bf16 model).
 struct CacheRows {
   const at::Tensor& cache;
@@ -52,9 +53,9 @@ struct CacheRows {
       return;
     }
     const int8_t* row = cache.const_data_ptr<int8_t>() + at;
-    const float factor =
-        scales->const_data_ptr<float>()[slot * scales->stride(0) + position * scales->stride(1) + kv * scales->stride(2)];
-    for (int64_t d = 0; d < dim; ++d) dst[d] = bf16(factor * static_cast<float>(row[d]));
+    const float* pair =
+        scales->const_data_ptr<float>() + slot * scales->stride(0) + position * scales->stride(1) + kv * scales->stride(2);
+    for (int64_t d = 0; d < dim; ++d) dst[d] = bf16(pair[0] * static_cast<float>(row[d]) + pair[1]);
   }
 };
 

@@ -30,7 +30,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "brgemm_attention.h"
@@ -58,15 +60,17 @@ struct Item {
   int64_t partial;             // first lane of its partial results, or -1 when not split
 };
 
-// An int8 cache's scales: one float per (token, kv head), in a tensor shaped like the cache
-// without head_dim (`[slots, context, kv_heads]` or `[blocks, block_size, kv_heads]`); a row
-// of K or V holds round(x / scale), scale = its largest magnitude / 127 (vLLM's
-// int8_per_token_head). Empty for a float cache.
+// An int8 cache's row parameters: a float32 (scale, midpoint) pair per (token, kv head), in a
+// tensor shaped like the cache with head_dim replaced by 2 (`[slots, context, kv_heads, 2]` or
+// `[blocks, block_size, kv_heads, 2]`); a row of K or V holds round((x - midpoint) / scale),
+// midpoint = the middle of its range, scale = its width / 254 (asymmetric, as OpenVINO's u8
+// cache: a row's outlier costs half the step a symmetric scale would). Empty for a float cache.
 struct Scales {
   float* data = nullptr;
-  int64_t outer = 0, token = 0;
+  int64_t outer = 0, token = 0, head = 0;
   explicit Scales(const std::optional<at::Tensor>& scales) {
-    if (scales) data = scales->data_ptr<float>(), outer = scales->stride(0), token = scales->stride(1);
+    if (scales)
+      data = scales->data_ptr<float>(), outer = scales->stride(0), token = scales->stride(1), head = scales->stride(2);
   }
 };
 
@@ -82,8 +86,8 @@ struct SlotRows {
       : data(cache.const_data_ptr<KT>()), reqids(ids), slot(cache.stride(0)), token(cache.stride(1)),
         head(cache.stride(2)), scales(scale_tensor) {}
   const KT* operator()(int64_t b, int64_t kv, int64_t j) const { return data + reqids[b] * slot + j * token + kv * head; }
-  float* scale(int64_t b, int64_t kv, int64_t j) const {
-    return scales.data + reqids[b] * scales.outer + j * scales.token + kv;
+  float* scale(int64_t b, int64_t kv, int64_t j) const {  // its (scale, midpoint)
+    return scales.data + reqids[b] * scales.outer + j * scales.token + kv * scales.head;
   }
 };
 
@@ -102,8 +106,9 @@ struct BlockRows {
   const KT* operator()(int64_t b, int64_t kv, int64_t j) const {
     return data + table[b * table_row + j / block_size] * block + (j % block_size) * token + kv * head;
   }
-  float* scale(int64_t b, int64_t kv, int64_t j) const {
-    return scales.data + table[b * table_row + j / block_size] * scales.outer + (j % block_size) * scales.token + kv;
+  float* scale(int64_t b, int64_t kv, int64_t j) const {  // its (scale, midpoint)
+    return scales.data + table[b * table_row + j / block_size] * scales.outer + (j % block_size) * scales.token +
+           kv * scales.head;
   }
 };
 
@@ -127,9 +132,10 @@ struct ScalarMath {
     for (int64_t j = 0; j < n; ++j)
       for (int64_t d = 0; d < dim; ++d) dst[j * dim + d] = static_cast<float>(rows[j][d]);
   }
-  static void widen(const int8_t* const* rows, const float* scales, int64_t n, int64_t dim, float* dst) {
+  static void widen(const int8_t* const* rows, const float* scales, const float* midpoints, int64_t n, int64_t dim,
+                    float* dst) {
     for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < dim; ++d) dst[j * dim + d] = scales[j] * static_cast<float>(rows[j][d]);
+      for (int64_t d = 0; d < dim; ++d) dst[j * dim + d] = scales[j] * static_cast<float>(rows[j][d]) + midpoints[j];
   }
   static void dots(const float* q, const float* const* keys, int64_t n, int64_t dim, float* out) {
     for (int64_t j = 0; j < n; ++j) {
@@ -185,28 +191,31 @@ void accumulate_lanes(float* const* acc, const float* const* p, int64_t count, c
     for (int64_t l = 0; l < count; ++l) Math::accumulate(acc[l], p[l], values, n, dim);
 }
 
-// One (token, kv head) row into an int8 cache: round(x / scale), scale = its largest magnitude
-// / 127 (kMinScale for a zero row, as vLLM's 1e-6, so no scale is ever 0). Written to
-// vectorize: |x / scale| <= 127, where adding and taking away 1.5 x 2^23 rounds to nearest even
-// as nearbyint does (a call GCC will not vectorize).
+// One (token, kv head) row into an int8 cache: round((x - midpoint) / scale), midpoint = the
+// middle of the row's range, scale = its width / 254 (kMinScale for a constant row, as vLLM's
+// 1e-6, so no scale is ever 0); to[] in [-127, 127]. Written to vectorize: adding and taking away
+// 1.5 x 2^23 rounds to nearest even as nearbyint does (a call GCC will not vectorize).
 template <typename QT>
-float quantize_row(const QT* from, int8_t* to, int64_t dim) {
-  float largest = 0.0f;
-#pragma omp simd reduction(max : largest)
-  for (int64_t d = 0; d < dim; ++d) largest = std::max(largest, std::abs(widen(from[d])));
-  const float scale = std::max(largest / 127.0f, kMinScale);
+std::pair<float, float> quantize_row(const QT* from, int8_t* to, int64_t dim) {
+  float lowest = INFINITY, highest = -INFINITY;
+#pragma omp simd reduction(min : lowest) reduction(max : highest)
+  for (int64_t d = 0; d < dim; ++d) {
+    lowest = std::min(lowest, widen(from[d]));
+    highest = std::max(highest, widen(from[d]));
+  }
+  const float midpoint = 0.5f * (lowest + highest), scale = std::max((highest - lowest) / 254.0f, kMinScale);
 #pragma omp simd
   for (int64_t d = 0; d < dim; ++d) {
-    const float rounded = (widen(from[d]) / scale + 12582912.0f) - 12582912.0f;
+    const float rounded = ((widen(from[d]) - midpoint) / scale + 12582912.0f) - 12582912.0f;
     to[d] = static_cast<int8_t>(std::clamp(rounded, -127.0f, 127.0f));
   }
-  return scale;
+  return {scale, midpoint};
 }
 
 // Writes the new tokens' K or V (rows [starts[b], starts[b] + news[b]) of `fresh`, [tokens,
 // kv_heads, head_dim] in the query's dtype) at request b's positions [lengths[b] - news[b],
 // lengths[b]), rounded to the cache's dtype as torch's conversion rounds (to nearest even);
-// into an int8 cache, each (token, kv head) row quantized with its own scale (quantize_row).
+// into an int8 cache, each (token, kv head) row quantized with its own scale and midpoint (quantize_row).
 // One pass inside the call that reads them, the tokens split over the threads: a decode step at
 // one request is otherwise dominated by the two indexed copies per layer that did this.
 template <typename QT, typename KT, typename Rows>
@@ -225,7 +234,8 @@ void store(const at::Tensor& fresh, const Rows& rows, const int64_t* starts, con
         const QT* from = data + (starts[b] + j) * fresh.stride(0) + kv * fresh.stride(1);
         KT* to = const_cast<KT*>(rows(b, kv, position));
         if constexpr (std::is_same_v<KT, int8_t>) {
-          *rows.scale(b, kv, position) = quantize_row(from, to, dim);
+          float* pair = rows.scale(b, kv, position);
+          std::tie(pair[0], pair[1]) = quantize_row(from, to, dim);
         } else if constexpr (std::is_same_v<QT, KT>) {
           std::copy(from, from + dim, to);
         } else {
@@ -283,15 +293,19 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
 
   // The bf16 body reads queries and rows as bf16 (its scores scaled after), the int8 one rows as
   // stored and queries as int16 with a scale each, the others both as float32 (queries scaled before).
+  // The int8 body leaves the rows' midpoints out of its integer products and adds them after:
+  // q . k = scale (q . row) + midpoint (the sum of q's elements) for a key, and for the values
+  // a lane's sum of p_j x midpoint_j, the same in every element, once the item is done.
   constexpr bool kPairs = std::is_same_v<Math, Avx512Bf16Math>;
   constexpr bool kBytes = std::is_same_v<Math, Avx512Int8Math>;
   using Row = std::conditional_t<kPairs, c10::BFloat16, std::conditional_t<kBytes, int8_t, float>>;
   using Query = std::conditional_t<kBytes, int16_t, Row>;
   const int64_t item_count = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), item_count), 1, [&](int64_t, int64_t) {
-    std::vector<float> scores, acc, tops, totals, converted(kBlock * dim), row_scales(kBlock);
+    std::vector<float> scores, acc, tops, totals, converted(kBlock * dim), row_scales(kBlock), row_midpoints(kBlock);
     std::vector<Query> queries;
-    std::vector<float> query_scales;
+    std::vector<float> query_scales, query_sums, value_shifts;
+    std::vector<int64_t> lane_ids(kTileRows * heads);
     std::vector<const float*> pointers(kBlock);
     std::vector<const KT*> sources(kBlock);
     std::vector<const Query*> lane_queries(kTileRows * heads);
@@ -306,6 +320,8 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       scores.assign(lanes * keys, 0.0f);
       queries.resize(lanes * dim);
       query_scales.resize(lanes);
+      query_sums.resize(lanes);
+      value_shifts.assign(lanes, 0.0f);
       acc.assign(lanes * dim, 0.0f);
       for (int64_t r = 0; r < item.rows; ++r)
         for (int64_t h = 0; h < heads; ++h) {
@@ -313,8 +329,12 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
           Query* dst = queries.data() + (r * heads + h) * dim;
           if constexpr (kPairs)
             std::copy(src, src + dim, dst);
-          else if constexpr (kBytes)
+          else if constexpr (kBytes) {
             query_scales[r * heads + h] = Math::quantize(src, dim, scale, dst);
+            float sum = 0.0f;
+            for (int64_t d = 0; d < dim; ++d) sum += widen(src[d]);
+            query_sums[r * heads + h] = sum * static_cast<float>(scale);
+          }
           else
             for (int64_t d = 0; d < dim; ++d) dst[d] = widen(src[d]) * static_cast<float>(scale);
         }
@@ -349,20 +369,26 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
           const auto* row = reinterpret_cast<const char*>((*token.rows)(token.request, 0, token.position));
           for (int64_t byte = 0; byte < token_bytes; byte += 64) __builtin_prefetch(row + byte);
           if constexpr (std::is_same_v<KT, int8_t>)
-            if (j % 4 == 0) __builtin_prefetch(token.rows->scale(token.request, 0, token.position));
+            __builtin_prefetch(token.rows->scale(token.request, 0, token.position));
+        }
+      };
+      auto read_scales = [&](const Rows& rows_of, int64_t kv, int64_t jb, int64_t n) {
+        for (int64_t j = 0; j < n; ++j) {
+          const float* pair = rows_of.scale(b, kv, key_begin + jb + j);
+          row_scales[j] = pair[0], row_midpoints[j] = pair[1];
         }
       };
       auto block_rows = [&](const Rows& rows_of, int64_t kv, int64_t jb, int64_t n) -> const Row* const* {
         for (int64_t j = 0; j < n; ++j) sources[j] = rows_of(b, kv, key_begin + jb + j);
         if constexpr (kBytes) {
-          for (int64_t j = 0; j < n; ++j) row_scales[j] = *rows_of.scale(b, kv, key_begin + jb + j);
+          read_scales(rows_of, kv, jb, n);
           return sources.data();
         } else if constexpr (std::is_same_v<KT, Row>) {
           return sources.data();
         } else {
           if constexpr (std::is_same_v<KT, int8_t>) {
-            for (int64_t j = 0; j < n; ++j) row_scales[j] = *rows_of.scale(b, kv, key_begin + jb + j);
-            Math::widen(sources.data(), row_scales.data(), n, dim, converted.data());
+            read_scales(rows_of, kv, jb, n);
+            Math::widen(sources.data(), row_scales.data(), row_midpoints.data(), n, dim, converted.data());
           } else {
             Math::widen(sources.data(), n, dim, converted.data());
           }
@@ -375,6 +401,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
         int64_t count = 0;
         for (int64_t r = first_row(jb); r < item.rows; ++r)
           for (int64_t lane = r * heads + kv * group; lane < r * heads + (kv + 1) * group; ++lane, ++count) {
+            lane_ids[count] = lane;
             lane_queries[count] = queries.data() + lane * dim;
             lane_query_scales[count] = query_scales.data() + lane;
             lane_scores[count] = scores.data() + lane * keys + jb;
@@ -403,10 +430,12 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       by_blocks(key_rows, [&](const Row* const* rows, int64_t n, int64_t count) {
         if constexpr (kPairs)
           Math::dots_lanes(lane_queries.data(), lane_scores.data(), count, rows, n, dim, scale);
-        else if constexpr (kBytes)
+        else if constexpr (kBytes) {
           Math::dots_lanes(lane_queries.data(), lane_query_scales.data(), lane_scores.data(), count, rows,
                            row_scales.data(), n, dim);
-        else
+          for (int64_t c = 0; c < count; ++c)
+            for (int64_t j = 0; j < n; ++j) lane_scores[c][j] += query_sums[lane_ids[c]] * row_midpoints[j];
+        } else
           dots_lanes<Math>(lane_queries.data(), lane_scores.data(), count, rows, n, dim);
       });
       tops.resize(lanes);
@@ -421,11 +450,16 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       by_blocks(value_rows, [&](const Row* const* rows, int64_t n, int64_t count) {
         if constexpr (kPairs)
           Math::accumulate_lanes(lane_sums.data(), lane_scores.data(), count, rows, n, dim);
-        else if constexpr (kBytes)
+        else if constexpr (kBytes) {
           Math::accumulate_lanes(lane_sums.data(), lane_scores.data(), count, rows, row_scales.data(), n, dim);
-        else
+          for (int64_t c = 0; c < count; ++c)
+            for (int64_t j = 0; j < n; ++j) value_shifts[lane_ids[c]] += lane_scores[c][j] * row_midpoints[j];
+        } else
           accumulate_lanes<Math>(lane_sums.data(), lane_scores.data(), count, rows, n, dim);
       });
+      if constexpr (kBytes)
+        for (int64_t lane = 0; lane < lanes; ++lane)
+          for (int64_t d = 0; d < dim; ++d) acc[lane * dim + d] += value_shifts[lane];
       if (item.partial >= 0) {
         std::copy(tops.begin(), tops.end(), partial_max.begin() + item.partial);
         std::copy(totals.begin(), totals.end(), partial_sum.begin() + item.partial);
@@ -589,10 +623,10 @@ void check_scales(const at::Tensor& cache, const std::optional<at::Tensor>& k_sc
               int8 ? "an int8 cache needs k_scales and v_scales" : "only an int8 cache has scales");
   if (!int8) return;
   for (const at::Tensor* t : {&*k_scales, &*v_scales})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 &&
-                    t->sizes() == cache.sizes().slice(0, 3) && t->stride(2) == 1,
-                "k_scales and v_scales must be float32 CPU tensors shaped like the cache without head_dim, "
-                "contiguous kv heads");
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4 &&
+                    t->sizes().slice(0, 3) == cache.sizes().slice(0, 3) && t->size(3) == 2 && t->stride(3) == 1,
+                "k_scales and v_scales must be float32 CPU tensors shaped like the cache with head_dim replaced by "
+                "2 (each row's scale and midpoint, together)");
 }
 
 void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

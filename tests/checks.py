@@ -39,10 +39,18 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An int8 cache's rows as vattn stores them: per (token, kv head) of `x` [tokens, heads, dim],
-    scale = max(largest magnitude / 127, 1e-6) and round(x / scale) to even, in float32."""
+    midpoint = the middle of its range, scale = max(its width / 254, 1e-6) and round((x -
+    midpoint) / scale) to even, in float32; the pairs `[tokens, heads, 2]` as the cache keeps them."""
     x = x.float()
-    scales = torch.clamp(x.abs().amax(-1) / 127.0, min=1e-6)
-    return torch.round(x / scales[..., None]).clamp(-127, 127).to(torch.int8), scales
+    lowest, highest = x.amin(-1), x.amax(-1)
+    midpoints, scales = (lowest + highest) * 0.5, torch.clamp((highest - lowest) / 254.0, min=1e-6)
+    values = torch.round((x - midpoints[..., None]) / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    return values, torch.stack((scales, midpoints), -1)
+
+
+def dequantize_rows(values: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """What an int8 cache's rows stand for: value x scale + midpoint (pairs as quantize_rows gives)."""
+    return values.to(pairs.dtype) * pairs[..., :1] + pairs[..., 1:]
 
 
 def check_kernel(
@@ -95,7 +103,7 @@ def check_kernel(
                         expected_values, expected_scales = quantize_rows(full)
                         assert torch.equal(values, expected_values), f"{request} int8 K/V not stored"
                         assert torch.equal(scale, expected_scales), f"{request} K/V scales not stored"
-                        read.append(values.float() * scale[..., None])
+                        read.append(dequantize_rows(values, scale))
                     full_k_read, full_v_read = read
                 else:
                     assert torch.equal(stored[0], full_k) and torch.equal(stored[1], full_v), f"{request} K/V lost"

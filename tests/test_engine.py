@@ -174,7 +174,7 @@ def test_a_narrower_kv_cache_cuts_the_bytes_and_keeps_the_scores(llm: LLM, kv_ca
         (narrow,) = narrower.generate("\n".join(PROMPTS), params, use_tqdm=False)
         cfg, wide_cfg = narrower.engine.executor.kv.cache.config, llm.engine.executor.kv.cache.config
         assert cfg.dtype == getattr(torch, kv_cache_dtype)
-        scales = 4 * cfg.num_kv_heads * cfg.num_layers if kv_cache_dtype == "int8" else 0  # per_layer: one layer's
+        scales = 8 * cfg.num_kv_heads * cfg.num_layers if kv_cache_dtype == "int8" else 0  # per_layer: one layer's
         assert cfg.bytes_per_token == wide_cfg.bytes_per_token * cfg.dtype.itemsize // 4 + scales // cfg.num_layers
     finally:
         narrower.close()

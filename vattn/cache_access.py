@@ -30,7 +30,7 @@ class CacheAccess:
     _layers: list[tuple[torch.Tensor, torch.Tensor]]
     """Each layer's K and V virtual tensors."""
     _scales: list[tuple[torch.Tensor, torch.Tensor]]
-    """An int8 cache's K and V scales, per layer."""
+    """An int8 cache's K and V (scale, midpoint) pairs, per layer."""
 
     def kv(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one request in one layer, `[length, kv_heads, head_dim]` views.
@@ -45,9 +45,9 @@ class CacheAccess:
             return self._open_memory().views(layer, [slot], slot.length, None, self.device)
 
     def kv_scales(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """An int8 cache's K and V scales of one request in one layer, float32 `[length, kv_heads]`
-        views that hold its slot as `kv`'s do: value d of head h at token t is `kv(...)[0][t, h, d]
-        * kv_scales(...)[0][t, h]`."""
+        """An int8 cache's K and V scales of one request in one layer, float32 `[length, kv_heads,
+        2]` views that hold its slot as `kv`'s do: with (scale, midpoint) = kv_scales(...)[0][t, h],
+        value d of head h at token t is `kv(...)[0][t, h, d] * scale + midpoint`."""
         with self._lock:
             self._check_open()
             self._require_quantized()
@@ -98,7 +98,7 @@ class CacheAccess:
             return self._layers[self._layer_index(layer)]
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """An int8 cache's K and V scales of one layer, `[max_slots, max_context, kv_heads]`, for
+        """An int8 cache's K and V scales of one layer, `[max_slots, max_context, kv_heads, 2]`, for
         the kernels under the same rule as `layer_tensors`."""
         with self._lock:
             self._check_open()

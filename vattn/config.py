@@ -22,12 +22,13 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "int8": torch.int8,
 }
-"""int8 keeps each token's K (and V) per kv head as round(x / scale) with its own float32
-scale, its largest magnitude / 127 (vLLM's int8_per_token_head): the scales sit after the
-values in each token's row of the same virtual tensor, so they are mapped, shared, copied and
-leased with the values and need no page schedule of their own."""
-SCALE_BYTES = 4
-"""A float32 scale per (token, kv head) in an int8 cache."""
+"""int8 keeps each token's K (and V) per kv head as round((x - midpoint) / scale) with its own
+float32 scale and midpoint: the middle of the row's range and its width / 254 (asymmetric per
+token and head, as OpenVINO's u8 cache). They sit after the values in each token's row of the
+same virtual tensor, so they are mapped, shared, copied and leased with the values and need no
+page schedule of their own."""
+SCALE_BYTES = 8
+"""A float32 (scale, midpoint) pair per (token, kv head) in an int8 cache."""
 GPU_KERNEL_BLOCK_TOKENS = 16
 """Tokens of the blocks that GPU kernels see a slot as (what FlashInfer's paged wrappers call
 pages, via `gpu_kernels.token_blocks`; a *page* here is always a physical page): every slot
@@ -108,9 +109,9 @@ class KVCacheConfig:
             object.__setattr__(self, "dtype", DTYPES[self.dtype])
         if self.dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.dtype == torch.int8 and self.num_kv_heads * self.head_dim % SCALE_BYTES:
+        if self.dtype == torch.int8 and self.num_kv_heads * self.head_dim % 4:
             raise ValueError(
-                f"an int8 cache needs num_kv_heads x head_dim divisible by {SCALE_BYTES} (its float32 scales "
+                "an int8 cache needs num_kv_heads x head_dim divisible by 4 (its float32 scales "
                 f"follow the values), got {self.num_kv_heads} x {self.head_dim}"
             )
         if self.layout not in LAYOUTS:
@@ -140,7 +141,7 @@ class KVCacheConfig:
 
     @cached_property
     def quantized(self) -> bool:
-        """int8 values with a scale per (token, kv head)."""
+        """int8 values with a scale and midpoint per (token, kv head)."""
         return self.dtype == torch.int8
 
     @cached_property
@@ -246,15 +247,17 @@ class KVCacheConfig:
         return flat.as_strided((rows, length, heads, dim), (slot, token, dim, 1), offset)
 
     def scales_view(self, flat: torch.Tensor, layer: int, length: int, rows: int | None = None) -> torch.Tensor:
-        """An int8 cache's float32 scales, `[rows, length, kv_heads]` (`[length, kv_heads]` if
-        `rows` is None), over the same elements `flat` as `rows_view` (no copy)."""
+        """An int8 cache's float32 (scale, midpoint) pairs, `[rows, length, kv_heads, 2]`
+        (`[length, kv_heads, 2]` if `rows` is None), over the same elements `flat` as `rows_view`
+        (no copy)."""
         words = flat.view(torch.float32)
-        slot, token = self.slot_stride // SCALE_BYTES, self.bytes_per_token // SCALE_BYTES
+        word = torch.float32.itemsize
+        slot, token = self.slot_stride // word, self.bytes_per_token // word
         values = self.num_kv_heads * self.head_dim * self.element_size
-        offset = ((0 if self.layout == "per_layer" else layer * self.layer_row_bytes) + values) // SCALE_BYTES
+        offset = ((0 if self.layout == "per_layer" else layer * self.layer_row_bytes) + values) // word
         if rows is None:
-            return words.as_strided((length, self.num_kv_heads), (token, 1), offset)
-        return words.as_strided((rows, length, self.num_kv_heads), (slot, token, 1), offset)
+            return words.as_strided((length, self.num_kv_heads, 2), (token, 2, 1), offset)
+        return words.as_strided((rows, length, self.num_kv_heads, 2), (slot, token, 2, 1), offset)
 
     def page_offset(self, slot: int, page: int) -> int:
         """Byte offset of page `page` of slot `slot` inside any one virtual tensor."""

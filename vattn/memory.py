@@ -49,7 +49,7 @@ class CacheMemory:
     ) -> tuple[Lease, list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
         """Reserves the address space and returns a lease on no slot with, over it, each layer's
         K and V `[slots, context, kv_heads, head_dim]` virtual tensors (the kernels') and, for an
-        int8 cache, their `[slots, context, kv_heads]` scales (else no scales); releases what it
+        int8 cache, their `[slots, context, kv_heads, 2]` scales (else no scales); releases what it
         reserved if anything fails."""
         cfg = self.config
         try:
@@ -105,7 +105,7 @@ class CacheMemory:
         (the cache's lock held)."""
         cfg = self.config
         if length == 0:
-            inner = (cfg.num_kv_heads,) if scales else (cfg.num_kv_heads, cfg.head_dim)
+            inner = (cfg.num_kv_heads, 2) if scales else (cfg.num_kv_heads, cfg.head_dim)
             shape = (0, *inner) if rows is None else (rows, 0, *inner)
             empty = torch.empty(shape, dtype=torch.float32 if scales else cfg.dtype, device=device)
             return empty, empty.clone()

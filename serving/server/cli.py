@@ -177,7 +177,7 @@ def parser() -> argparse.ArgumentParser:
         default="auto",  # resolved with --dtype auto (serving.config)
         choices=KV_CACHE_DTYPES,
         help="KV cache precision: auto (as --dtype), float16 or bfloat16 (half a float32 model's KV bytes), "
-        "int8 (a quarter, plus a float32 scale per token and KV head, vLLM's int8_per_token_head); the "
+        "int8 (a quarter, plus a float32 scale and midpoint per token and KV head, as OpenVINO's u8); the "
         "ragged kernel only, with a float32 model (int8 also with a bfloat16 one)",
     )
     serve.add_argument(

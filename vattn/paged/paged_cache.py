@@ -57,7 +57,7 @@ class PagedKVCacheConfig:
 
     @cached_property
     def quantized(self) -> bool:
-        """int8 values with a float32 scale per (token, kv head), as the virtual cache's."""
+        """int8 values with a float32 scale and midpoint per (token, kv head), as the virtual cache's."""
         return self.dtype == torch.int8
 
     @cached_property
@@ -91,8 +91,8 @@ class PagedKVCache:
         self.config = cfg = config
         shape = (cfg.num_layers, 2, cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
         self._blocks = torch.empty(shape, dtype=cfg.dtype, device=cfg.device)  # type: ignore[arg-type]
-        self._scales = torch.empty(shape[:-1] if cfg.quantized else 0, device=cfg.device)
-        """An int8 cache's float32 scales, `[layers, 2, num_blocks, block_size, kv_heads]`."""
+        self._scales = torch.empty((*shape[:-1], 2) if cfg.quantized else 0, device=cfg.device)
+        """An int8 cache's float32 (scale, midpoint) pairs, `[layers, 2, num_blocks, block_size, kv_heads, 2]`."""
         self.device = self._blocks.device
         self._pool = BlockPool(cfg.num_blocks)
         self._owned: list[list[int]] = [[] for _ in range(cfg.max_slots)]
@@ -172,7 +172,7 @@ class PagedKVCache:
         return self._blocks[layer, 0], self._blocks[layer, 1]
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """An int8 cache's K and V scales of a layer, each `[num_blocks, block_size, kv_heads]`."""
+        """An int8 cache's K and V (scale, midpoint) pairs of a layer, each `[num_blocks, block_size, kv_heads, 2]`."""
         self._require_quantized()
         layer = exact_int(layer, "layer", 0, self.config.num_layers - 1)
         return self._scales[layer, 0], self._scales[layer, 1]
@@ -183,7 +183,7 @@ class PagedKVCache:
         return self._gathered(reqid, self.layer_blocks(layer))
 
     def kv_scales(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of an int8 cache's K and V scales of one request, `[length, kv_heads]`."""
+        """Copies of an int8 cache's K and V (scale, midpoint) pairs of one request, `[length, kv_heads, 2]`."""
         return self._gathered(reqid, self.layer_scales(layer))
 
     def stats(self) -> CacheStats:
