@@ -41,13 +41,22 @@ struct PackedKV {
 };
 
 // A cache's rows as bf16: its own (a bf16 cache), or an int8 cache's widened by their scales and
-// midpoints and
-// rounded to bf16 (an int8 cache under a bf16 model).
+// midpoints and rounded to bf16 (an int8 cache under a bf16 model). The chunk's own new tokens
+// come from `fresh` (the call's K or V, when it stores them) instead: as OpenVINO does, a prompt
+// attends over its own K/V as computed, and only what later tokens read has been quantized.
 struct CacheRows {
   const at::Tensor& cache;
   const std::optional<at::Tensor>& scales;
-  void read(int64_t slot, int64_t kv, int64_t position, bf16* dst) const {
-    const int64_t at = slot * cache.stride(0) + position * cache.stride(1) + kv * cache.stride(2), dim = cache.size(3);
+  const std::optional<at::Tensor>& fresh;
+  // Row `position` of slot `slot`, whose new tokens [first_new, ...) are fresh rows from `start`.
+  void read(int64_t slot, int64_t kv, int64_t position, int64_t first_new, int64_t start, bf16* dst) const {
+    const int64_t dim = cache.size(3);
+    if (fresh && position >= first_new) {
+      std::copy_n(fresh->const_data_ptr<bf16>() + (start + position - first_new) * fresh->stride(0) + kv * fresh->stride(1),
+                  dim, dst);
+      return;
+    }
+    const int64_t at = slot * cache.stride(0) + position * cache.stride(1) + kv * cache.stride(2);
     if (!scales) {
       std::copy_n(cache.const_data_ptr<bf16>() + at, dim, dst);
       return;
@@ -59,8 +68,11 @@ struct CacheRows {
   }
 };
 
-void pack_request(const CacheRows& keys, const CacheRows& values, int64_t slot, int64_t kv, int64_t length,
+// Chunk c's keys and values for kv head `kv`, packed in blocks of kKeys as brgemm reads them.
+void pack_request(const CacheRows& keys, const CacheRows& values, const PromptChunks& chunks, int64_t c, int64_t kv,
                   PackedKV& packed, std::vector<bf16>& plain) {
+  const int64_t slot = chunks.slots[c], length = chunks.lengths[c], first_new = length - chunks.news[c];
+  const int64_t start = chunks.starts[c];
   const int64_t dim = keys.cache.size(3), blocks = (length + kKeys - 1) / kKeys, block = dim * kKeys;
   std::vector<bf16> row(dim);
   packed.keys.resize(blocks * block);
@@ -69,12 +81,12 @@ void pack_request(const CacheRows& keys, const CacheRows& values, int64_t slot, 
     const int64_t first = b * kKeys, n = std::min(kKeys, length - first);
     std::fill(plain.begin(), plain.end(), bf16(0.0f));
     for (int64_t j = 0; j < n; ++j) {  // keys^T: plain[d][j]
-      keys.read(slot, kv, first + j, row.data());
+      keys.read(slot, kv, first + j, first_new, start, row.data());
       for (int64_t d = 0; d < dim; ++d) plain[d * kKeys + j] = row[d];
     }
     cpublas::pack(dim, kKeys, kKeys, kKeys, at::kBFloat16, at::kBFloat16, plain.data(), &packed.keys[b * block]);
     std::fill(plain.begin(), plain.end(), bf16(0.0f));
-    for (int64_t j = 0; j < n; ++j) values.read(slot, kv, first + j, &plain[j * dim]);
+    for (int64_t j = 0; j < n; ++j) values.read(slot, kv, first + j, first_new, start, &plain[j * dim]);
     for (int64_t at = 0; at < dim; at += kSlab) {  // values: slab after slab of kSlab columns
       const int64_t width = std::min(kSlab, dim - at);
       cpublas::pack(kKeys, width, dim, width, at::kBFloat16, at::kBFloat16, &plain[at], &packed.values[b * block + at * kKeys]);
@@ -140,15 +152,16 @@ bool brgemm_attention_runs(int64_t head_dim) {
 
 void brgemm_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales,
-                      const PromptChunks& chunks, double scale) {
+                      const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v, const PromptChunks& chunks,
+                      double scale) {
   const int64_t count = static_cast<int64_t>(chunks.slots.size()), kv_heads = k_cache.size(2);
   const int64_t heads = q.size(1), dim = q.size(2), group = heads / kv_heads, block = dim * kKeys;
   std::vector<PackedKV> packed(count * kv_heads);
-  const CacheRows keys{k_cache, k_scales}, values{v_cache, v_scales};
+  const CacheRows keys{k_cache, k_scales, k}, values{v_cache, v_scales, v};
   at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<bf16> plain(block);
     for (int64_t i = begin; i < end; ++i)
-      pack_request(keys, values, chunks.slots[i / kv_heads], i % kv_heads, chunks.lengths[i / kv_heads], packed[i], plain);
+      pack_request(keys, values, chunks, i / kv_heads, i % kv_heads, packed[i], plain);
   });
 
   std::vector<Item> items;

@@ -660,7 +660,7 @@ void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
         // Prompt chunks on brgemm (AMX), the rest (decodes, short chunks) on this body.
         PromptChunks chunks, rest;
         for (int64_t b = 0; b < batch; ++b) (news[b] >= kBrgemmMinTokens ? chunks : rest).add(ids[b], rows[b], news[b], lens[b]);
-        if (!chunks.empty()) brgemm_attention(out, q, k_cache, v_cache, k_scales, v_scales, chunks, scale);
+        if (!chunks.empty()) brgemm_attention(out, q, k_cache, v_cache, k_scales, v_scales, k, v, chunks, scale);
         if (rest.empty()) return;
         const SlotRows<KT> rest_keys(k_cache, rest.slots.data(), k_scales), rest_values(v_cache, rest.slots.data(), v_scales);
         attend<Math, QT, KT>(out, q, rest_keys, rest_values, k_cache.size(2), rest.starts.data(), rest.news.data(),
