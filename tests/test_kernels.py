@@ -250,6 +250,53 @@ def test_ragged_kernel_prompt_chunks_on_brgemm_match_float64(onednn_cap: str) ->
     assert printed_under_cap(BRGEMM_CHECK, onednn_cap) == [str(brgemm)] * 5
 
 
+def test_brgemm_prompt_chunks_attend_over_their_own_rows_not_the_int8_copies() -> None:
+    """On brgemm a bf16 prompt chunk over an int8 cache reads its own new K/V as the call gives
+    them, and only the earlier tokens' as quantized. Rows with one large element (steps of ~0.25)
+    make that reference and the all-quantized one differ far beyond bf16's rounding."""
+    ops, generator = vattn_ops(), torch.Generator().manual_seed(2)
+    if not ops.attention_brgemm(64):
+        pytest.skip("prompt chunks take brgemm only where oneDNN packs bf16 for it (AMX)")
+    earlier, new, heads = 40, 64, 9
+    fresh = [torch.randn(earlier + new, 3, 64, generator=generator) for _ in range(2)]
+    for x in fresh:
+        x[..., 0] = 60.0
+    fresh = [x.bfloat16() for x in fresh]
+    caches = [torch.zeros(1, 128, 3, 64, dtype=torch.int8) for _ in range(2)]
+    pairs = [torch.zeros(1, 128, 3, 2) for _ in range(2)]
+    q = torch.randn(earlier + new, heads, 64, generator=generator).bfloat16()
+    out = torch.empty_like(q)
+    for first, count in [(0, earlier), (earlier, new)]:  # the earlier tokens' call stores them
+        rows = slice(first, first + count)
+        ops.ragged_attention(
+            out[rows],
+            q[rows],
+            *caches,
+            torch.tensor([0]),
+            torch.tensor([0]),
+            torch.tensor([count]),
+            torch.tensor([first + count]),
+            0.125,
+            fresh[0][rows],
+            fresh[1][rows],
+            *pairs,
+        )
+    stored = [
+        c[0, : earlier + new].double() * p[0, : earlier + new, :, :1] + p[0, : earlier + new, :, 1:]
+        for c, p in zip(caches, pairs, strict=True)
+    ]
+
+    def attention(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        keys, values = (x.double().repeat_interleave(3, 1).transpose(0, 1) for x in (keys, values))
+        scores = q[earlier:].double().transpose(0, 1) @ keys.transpose(1, 2) * 0.125
+        seen = torch.arange(earlier + new) <= torch.arange(earlier, earlier + new)[:, None]
+        return (scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values).transpose(0, 1)
+
+    own = attention(*(torch.cat([s[:earlier], f[earlier:].double()]) for s, f in zip(stored, fresh, strict=True)))
+    torch.testing.assert_close(out[earlier:].double(), own, rtol=2e-2, atol=2e-2)
+    assert (attention(*stored) - own).abs().max() > 0.05  # what reading the quantized copies would miss by
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_ragged_kernel_stores_the_new_tokens_as_torch_rounds_them(cache_dtype: torch.dtype) -> None:
     """Given k and v, the call writes each request's new rows at its last positions (rounded
