@@ -64,7 +64,8 @@ struct Item {
 // tensor shaped like the cache with head_dim replaced by 2 (`[slots, context, kv_heads, 2]` or
 // `[blocks, block_size, kv_heads, 2]`); a row of K or V holds round((x - midpoint) / scale),
 // midpoint = the middle of its range, scale = its width / 254 (asymmetric, as OpenVINO's u8
-// cache: a row's outlier costs half the step a symmetric scale would). Empty for a float cache.
+// cache: a row whose range sits off zero gets down to half a symmetric scale's step). Empty for
+// a float cache.
 struct Scales {
   float* data = nullptr;
   int64_t outer = 0, token = 0, head = 0;
