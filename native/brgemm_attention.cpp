@@ -46,7 +46,7 @@ struct PackedKV {
 // attends over its own K/V as computed, and only what later tokens read has been quantized.
 struct CacheRows {
   const at::Tensor& cache;
-  const std::optional<at::Tensor>& scales;
+  const std::optional<at::Tensor>& qparams;
   const std::optional<at::Tensor>& fresh;
   // Row `position` of slot `slot`, whose new tokens [first_new, ...) are fresh rows from `start`.
   void read(int64_t slot, int64_t kv, int64_t position, int64_t first_new, int64_t start, bf16* dst) const {
@@ -57,13 +57,13 @@ struct CacheRows {
       return;
     }
     const int64_t at = slot * cache.stride(0) + position * cache.stride(1) + kv * cache.stride(2);
-    if (!scales) {
+    if (!qparams) {
       std::copy_n(cache.const_data_ptr<bf16>() + at, dim, dst);
       return;
     }
     const int8_t* row = cache.const_data_ptr<int8_t>() + at;
     const float* pair =
-        scales->const_data_ptr<float>() + slot * scales->stride(0) + position * scales->stride(1) + kv * scales->stride(2);
+        qparams->const_data_ptr<float>() + slot * qparams->stride(0) + position * qparams->stride(1) + kv * qparams->stride(2);
     for (int64_t d = 0; d < dim; ++d) dst[d] = bf16(pair[0] * static_cast<float>(row[d]) + pair[1]);
   }
 };
@@ -151,13 +151,13 @@ bool brgemm_attention_runs(int64_t head_dim) {
 }
 
 void brgemm_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales,
+                      const std::optional<at::Tensor>& k_qparams, const std::optional<at::Tensor>& v_qparams,
                       const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v, const PromptChunks& chunks,
                       double scale) {
   const int64_t count = static_cast<int64_t>(chunks.slots.size()), kv_heads = k_cache.size(2);
   const int64_t heads = q.size(1), dim = q.size(2), group = heads / kv_heads, block = dim * kKeys;
   std::vector<PackedKV> packed(count * kv_heads);
-  const CacheRows keys{k_cache, k_scales, k}, values{v_cache, v_scales, v};
+  const CacheRows keys{k_cache, k_qparams, k}, values{v_cache, v_qparams, v};
   at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<bf16> plain(block);
     for (int64_t i = begin; i < end; ++i)

@@ -37,10 +37,10 @@ bool brgemm_attention_runs(int64_t head_dim);
 
 // Causal attention of `chunks`' new tokens (rows of q [tokens, heads, head_dim], bf16) over their
 // slots' keys and values ([slots, context, kv_heads, head_dim], the new ones already stored),
-// written to the same rows of `out`. The cache is bf16, or int8 with its rows' scales (the
+// written to the same rows of `out`. The cache is bf16, or int8 with its rows' (scale, midpoint) qparams (the
 // ragged kernel's int8 cache), widened to bf16 as its rows are packed; the new tokens' own rows
 // are read from k and v ([tokens, kv_heads, head_dim] as q's rows) where the call gives them.
 void brgemm_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales,
+                      const std::optional<at::Tensor>& k_qparams, const std::optional<at::Tensor>& v_qparams,
                       const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v, const PromptChunks& chunks,
                       double scale);

@@ -60,18 +60,18 @@ struct Item {
   int64_t partial;             // first lane of its partial results, or -1 when not split
 };
 
-// An int8 cache's row parameters: a float32 (scale, midpoint) pair per (token, kv head), in a
+// An int8 cache's qparams (quantization parameters): a float32 (scale, midpoint) pair per (token, kv head), in a
 // tensor shaped like the cache with head_dim replaced by 2 (`[slots, context, kv_heads, 2]` or
 // `[blocks, block_size, kv_heads, 2]`); a row of K or V holds round((x - midpoint) / scale),
 // midpoint = the middle of its range, scale = its width / 254 (asymmetric, as OpenVINO's u8
 // cache: a row whose range sits off zero gets down to half a symmetric scale's step). Empty for
 // a float cache.
-struct Scales {
+struct QParams {
   float* data = nullptr;
   int64_t outer = 0, token = 0, head = 0;
-  explicit Scales(const std::optional<at::Tensor>& scales) {
-    if (scales)
-      data = scales->data_ptr<float>(), outer = scales->stride(0), token = scales->stride(1), head = scales->stride(2);
+  explicit QParams(const std::optional<at::Tensor>& tensor) {
+    if (tensor)
+      data = tensor->data_ptr<float>(), outer = tensor->stride(0), token = tensor->stride(1), head = tensor->stride(2);
   }
 };
 
@@ -82,13 +82,13 @@ struct SlotRows {
   const KT* data;
   const int64_t* reqids;
   int64_t slot, token, head;
-  Scales scales;
-  SlotRows(const at::Tensor& cache, const int64_t* ids, const std::optional<at::Tensor>& scale_tensor)
+  QParams qparams;
+  SlotRows(const at::Tensor& cache, const int64_t* ids, const std::optional<at::Tensor>& qparams_tensor)
       : data(cache.const_data_ptr<KT>()), reqids(ids), slot(cache.stride(0)), token(cache.stride(1)),
-        head(cache.stride(2)), scales(scale_tensor) {}
+        head(cache.stride(2)), qparams(qparams_tensor) {}
   const KT* operator()(int64_t b, int64_t kv, int64_t j) const { return data + reqids[b] * slot + j * token + kv * head; }
-  float* scale(int64_t b, int64_t kv, int64_t j) const {  // its (scale, midpoint)
-    return scales.data + reqids[b] * scales.outer + j * scales.token + kv * scales.head;
+  float* row_qparams(int64_t b, int64_t kv, int64_t j) const {  // its (scale, midpoint)
+    return qparams.data + reqids[b] * qparams.outer + j * qparams.token + kv * qparams.head;
   }
 };
 
@@ -99,17 +99,17 @@ struct BlockRows {
   const KT* data;
   const int32_t* table;
   int64_t table_row, block_size, block, token, head;
-  Scales scales;
-  BlockRows(const at::Tensor& cache, const at::Tensor& block_table, const std::optional<at::Tensor>& scale_tensor)
+  QParams qparams;
+  BlockRows(const at::Tensor& cache, const at::Tensor& block_table, const std::optional<at::Tensor>& qparams_tensor)
       : data(cache.const_data_ptr<KT>()), table(block_table.const_data_ptr<int32_t>()),
         table_row(block_table.stride(0)), block_size(cache.size(1)), block(cache.stride(0)), token(cache.stride(1)),
-        head(cache.stride(2)), scales(scale_tensor) {}
+        head(cache.stride(2)), qparams(qparams_tensor) {}
   const KT* operator()(int64_t b, int64_t kv, int64_t j) const {
     return data + table[b * table_row + j / block_size] * block + (j % block_size) * token + kv * head;
   }
-  float* scale(int64_t b, int64_t kv, int64_t j) const {  // its (scale, midpoint)
-    return scales.data + table[b * table_row + j / block_size] * scales.outer + (j % block_size) * scales.token +
-           kv * scales.head;
+  float* row_qparams(int64_t b, int64_t kv, int64_t j) const {  // its (scale, midpoint)
+    return qparams.data + table[b * table_row + j / block_size] * qparams.outer + (j % block_size) * qparams.token +
+           kv * qparams.head;
   }
 };
 
@@ -235,7 +235,7 @@ void store(const at::Tensor& fresh, const Rows& rows, const int64_t* starts, con
         const QT* from = data + (starts[b] + j) * fresh.stride(0) + kv * fresh.stride(1);
         KT* to = const_cast<KT*>(rows(b, kv, position));
         if constexpr (std::is_same_v<KT, int8_t>) {
-          float* pair = rows.scale(b, kv, position);
+          float* pair = rows.row_qparams(b, kv, position);
           std::tie(pair[0], pair[1]) = quantize_row(from, to, dim);
         } else if constexpr (std::is_same_v<QT, KT>) {
           std::copy(from, from + dim, to);
@@ -361,7 +361,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
         return {more ? &key_rows : nullptr, more ? next->request : 0, more ? next->key_begin + j - keys : 0};
       };
       // Prefetches the whole rows (every kv head's, which sit together) of the n tokens
-      // kPrefetchBlocks blocks past jb, once for all kv heads, and an int8 cache's scales.
+      // kPrefetchBlocks blocks past jb, once for all kv heads, and an int8 cache's (scale, midpoint) pairs.
       const int64_t token_bytes = kv_heads * dim * static_cast<int64_t>(sizeof(KT));
       auto prefetch_ahead = [&](const Rows& rows_of, int64_t jb, int64_t n) {
         for (int64_t j = jb + kPrefetchBlocks * kBlock, end = j + n; j < end; ++j) {
@@ -370,25 +370,25 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
           const auto* row = reinterpret_cast<const char*>((*token.rows)(token.request, 0, token.position));
           for (int64_t byte = 0; byte < token_bytes; byte += 64) __builtin_prefetch(row + byte);
           if constexpr (std::is_same_v<KT, int8_t>)
-            __builtin_prefetch(token.rows->scale(token.request, 0, token.position));
+            __builtin_prefetch(token.rows->row_qparams(token.request, 0, token.position));
         }
       };
-      auto read_scales = [&](const Rows& rows_of, int64_t kv, int64_t jb, int64_t n) {
+      auto read_qparams = [&](const Rows& rows_of, int64_t kv, int64_t jb, int64_t n) {
         for (int64_t j = 0; j < n; ++j) {
-          const float* pair = rows_of.scale(b, kv, key_begin + jb + j);
+          const float* pair = rows_of.row_qparams(b, kv, key_begin + jb + j);
           row_scales[j] = pair[0], row_midpoints[j] = pair[1];
         }
       };
       auto block_rows = [&](const Rows& rows_of, int64_t kv, int64_t jb, int64_t n) -> const Row* const* {
         for (int64_t j = 0; j < n; ++j) sources[j] = rows_of(b, kv, key_begin + jb + j);
         if constexpr (kBytes) {
-          read_scales(rows_of, kv, jb, n);
+          read_qparams(rows_of, kv, jb, n);
           return sources.data();
         } else if constexpr (std::is_same_v<KT, Row>) {
           return sources.data();
         } else {
           if constexpr (std::is_same_v<KT, int8_t>) {
-            read_scales(rows_of, kv, jb, n);
+            read_qparams(rows_of, kv, jb, n);
             Math::widen(sources.data(), row_scales.data(), row_midpoints.data(), n, dim, converted.data());
           } else {
             Math::widen(sources.data(), n, dim, converted.data());
@@ -616,29 +616,29 @@ bool check_fresh(const at::Tensor& q, const at::Tensor& cache, const std::option
   return true;
 }
 
-// An int8 cache's scales, which it needs, and a float cache's, which it has none of.
-void check_scales(const at::Tensor& cache, const std::optional<at::Tensor>& k_scales,
-                  const std::optional<at::Tensor>& v_scales) {
+// An int8 cache's (scale, midpoint) pairs, which it needs, and a float cache's, which it has none of.
+void check_qparams(const at::Tensor& cache, const std::optional<at::Tensor>& k_qparams,
+                  const std::optional<at::Tensor>& v_qparams) {
   const bool int8 = cache.scalar_type() == at::kChar;
-  TORCH_CHECK(k_scales.has_value() == int8 && v_scales.has_value() == int8,
-              int8 ? "an int8 cache needs k_scales and v_scales" : "only an int8 cache has scales");
+  TORCH_CHECK(k_qparams.has_value() == int8 && v_qparams.has_value() == int8,
+              int8 ? "an int8 cache needs k_qparams and v_qparams" : "only an int8 cache has qparams");
   if (!int8) return;
-  for (const at::Tensor* t : {&*k_scales, &*v_scales})
+  for (const at::Tensor* t : {&*k_qparams, &*v_qparams})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4 &&
                     t->sizes().slice(0, 3) == cache.sizes().slice(0, 3) && t->size(3) == 2 && t->stride(3) == 1,
-                "k_scales and v_scales must be float32 CPU tensors shaped like the cache with head_dim replaced by "
+                "k_qparams and v_qparams must be float32 CPU tensors shaped like the cache with head_dim replaced by "
                 "2 (each row's scale and midpoint, together)");
 }
 
 void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& reqids, const at::Tensor& starts, const at::Tensor& new_tokens,
                       const at::Tensor& lengths, double scale, const std::optional<at::Tensor>& k,
-                      const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_scales,
-                      const std::optional<at::Tensor>& v_scales) {
+                      const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_qparams,
+                      const std::optional<at::Tensor>& v_qparams) {
   const int64_t batch =
       check_batch(out, q, k_cache, v_cache, starts, new_tokens, lengths, "[slots, context, kv_heads, head_dim]");
   const bool fresh = check_fresh(q, k_cache, k, v);
-  check_scales(k_cache, k_scales, v_scales);
+  check_qparams(k_cache, k_qparams, v_qparams);
   TORCH_CHECK(reqids.device().is_cpu() && reqids.scalar_type() == at::kLong && reqids.dim() == 1 &&
                   reqids.is_contiguous() && reqids.size(0) == batch,
               "reqids must be a contiguous int64 CPU vector, one entry per request");
@@ -651,7 +651,7 @@ void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
   const int64_t* rows = starts.const_data_ptr<int64_t>();
   const int64_t* news = new_tokens.const_data_ptr<int64_t>();
   dispatch(q.scalar_type(), k_cache.scalar_type(), q.size(2), [&]<typename Math, typename QT, typename KT>() {
-    const SlotRows<KT> keys(k_cache, ids, k_scales), values(v_cache, ids, v_scales);
+    const SlotRows<KT> keys(k_cache, ids, k_qparams), values(v_cache, ids, v_qparams);
     if (fresh) {
       store<QT, KT>(*k, keys, rows, news, lens, batch);
       store<QT, KT>(*v, values, rows, news, lens, batch);
@@ -661,9 +661,9 @@ void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
         // Prompt chunks on brgemm (AMX), the rest (decodes, short chunks) on this body.
         PromptChunks chunks, rest;
         for (int64_t b = 0; b < batch; ++b) (news[b] >= kBrgemmMinTokens ? chunks : rest).add(ids[b], rows[b], news[b], lens[b]);
-        if (!chunks.empty()) brgemm_attention(out, q, k_cache, v_cache, k_scales, v_scales, k, v, chunks, scale);
+        if (!chunks.empty()) brgemm_attention(out, q, k_cache, v_cache, k_qparams, v_qparams, k, v, chunks, scale);
         if (rest.empty()) return;
-        const SlotRows<KT> rest_keys(k_cache, rest.slots.data(), k_scales), rest_values(v_cache, rest.slots.data(), v_scales);
+        const SlotRows<KT> rest_keys(k_cache, rest.slots.data(), k_qparams), rest_values(v_cache, rest.slots.data(), v_qparams);
         attend<Math, QT, KT>(out, q, rest_keys, rest_values, k_cache.size(2), rest.starts.data(), rest.news.data(),
                              rest.lengths.data(), static_cast<int64_t>(rest.slots.size()), scale);
         return;
@@ -677,11 +677,11 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const at::Tensor& v_blocks, const at::Tensor& block_table, const at::Tensor& starts,
                      const at::Tensor& new_tokens, const at::Tensor& lengths, double scale,
                      const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
-                     const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales) {
+                     const std::optional<at::Tensor>& k_qparams, const std::optional<at::Tensor>& v_qparams) {
   const int64_t batch =
       check_batch(out, q, k_blocks, v_blocks, starts, new_tokens, lengths, "[blocks, block_size, kv_heads, head_dim]");
   const bool fresh = check_fresh(q, k_blocks, k, v);
-  check_scales(k_blocks, k_scales, v_scales);
+  check_qparams(k_blocks, k_qparams, v_qparams);
   TORCH_CHECK(block_table.device().is_cpu() && block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
                   block_table.stride(1) == 1 && block_table.size(0) == batch,
               "block_table must be an int32 CPU [batch, max_blocks] table, one row per request");
@@ -699,7 +699,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t* rows = starts.const_data_ptr<int64_t>();
   const int64_t* news = new_tokens.const_data_ptr<int64_t>();
   dispatch(q.scalar_type(), k_blocks.scalar_type(), q.size(2), [&]<typename Math, typename QT, typename KT>() {
-    const BlockRows<KT> keys(k_blocks, block_table, k_scales), values(v_blocks, block_table, v_scales);
+    const BlockRows<KT> keys(k_blocks, block_table, k_qparams), values(v_blocks, block_table, v_qparams);
     if (fresh) {
       store<QT, KT>(*k, keys, rows, news, lens, batch);
       store<QT, KT>(*v, values, rows, news, lens, batch);
@@ -712,15 +712,15 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 
 TORCH_LIBRARY(vattn, m) {
   // With k and v, the new tokens' K/V are written into the caches first (hence their (b!), (c!)),
-  // and into an int8 cache's scales (d!), (e!).
+  // and into an int8 cache's qparams (d!), (e!).
   m.def(
       "ragged_attention(Tensor(a!) out, Tensor q, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor reqids, "
       "Tensor starts, Tensor new_tokens, Tensor lengths, float scale, Tensor? k=None, Tensor? v=None, "
-      "Tensor(d!)? k_scales=None, Tensor(e!)? v_scales=None) -> ()");
+      "Tensor(d!)? k_qparams=None, Tensor(e!)? v_qparams=None) -> ()");
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor(b!) k_blocks, Tensor(c!) v_blocks, Tensor block_table, "
       "Tensor starts, Tensor new_tokens, Tensor lengths, float scale, Tensor? k=None, Tensor? v=None, "
-      "Tensor(d!)? k_scales=None, Tensor(e!)? v_scales=None) -> ()");
+      "Tensor(d!)? k_qparams=None, Tensor(e!)? v_qparams=None) -> ()");
   m.def("attention_simd(int head_dim) -> str", &simd_for);
   m.def("attention_bf16_dots(int head_dim) -> bool", &bf16_dots);
   m.def("attention_int8_dots(int head_dim) -> bool", &int8_dots);

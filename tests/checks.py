@@ -96,14 +96,14 @@ def check_kernel(
                 full_k, full_v = torch.cat([old_k, k[rows]]), torch.cat([old_v, v[rows]])
                 history[(request, layer)] = (full_k, full_v)
                 stored = cache.kv(layer, reqids[request])
-                if quantized:  # the int8 rows and scales exactly as quantized; attention over their product
-                    scales = cache.kv_scales(layer, reqids[request])
+                if quantized:  # the int8 rows and qparams exactly as quantized; attention over their product
+                    qparams = cache.kv_qparams(layer, reqids[request])
                     read = []
-                    for full, values, scale in zip((full_k, full_v), stored, scales, strict=True):
-                        expected_values, expected_scales = quantize_rows(full)
+                    for full, values, pairs in zip((full_k, full_v), stored, qparams, strict=True):
+                        expected_values, expected_pairs = quantize_rows(full)
                         assert torch.equal(values, expected_values), f"{request} int8 K/V not stored"
-                        assert torch.equal(scale, expected_scales), f"{request} K/V scales not stored"
-                        read.append(dequantize_rows(values, scale))
+                        assert torch.equal(pairs, expected_pairs), f"{request} K/V qparams not stored"
+                        read.append(dequantize_rows(values, pairs))
                     full_k_read, full_v_read = read
                 else:
                     assert torch.equal(stored[0], full_k) and torch.equal(stored[1], full_v), f"{request} K/V lost"

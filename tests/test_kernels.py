@@ -50,7 +50,7 @@ def test_cpu_kernels_in_half_precision(make_cache: MakeCache, kernel: str, dtype
 
 @pytest.mark.parametrize("layout", ["per_layer", "mega"])
 def test_ragged_kernel_reads_and_writes_an_int8_cache(make_cache: MakeCache, layout: str) -> None:
-    """Stored rows and scales exactly as quantized per (token, kv head); attention over them
+    """Stored rows and qparams exactly as quantized per (token, kv head); attention over them
     within float32 rounding, through chunked prefill, decodes and a split long context."""
     check_kernel("ragged", make_cache(dtype="int8", layout=layout), query_heads=8, tolerance=1e-5)
     long_context = [{"a": 600, "b": 20}, {"a": 20, "b": 1}, {"a": 1, "b": 1}, {"a": 1}]
@@ -85,7 +85,7 @@ def int8_cache(raw):  # K and V rows, each shifted off zero by its own amount, a
         rows.append(torch.round((x - midpoint) / scale).to(torch.int8))
         pairs.append(torch.cat((scale, midpoint), -1))
     return *rows, pairs
-def check(q, k, v, lengths, news, tolerance, scales=None):  # scales: an int8 cache's (scale, midpoint) pairs
+def check(q, k, v, lengths, news, tolerance, scales=None):  # qparams: an int8 cache's (scale, midpoint) pairs
     dim, kv_heads = q.shape[-1], k.shape[2]
     group = q.shape[1] // kv_heads
     out, starts = torch.empty_like(q), torch.tensor([0, *news[:-1]]).cumsum(0)

@@ -43,7 +43,7 @@ def test_paged_kernels_in_half_precision(kernel: str, dtype: str) -> None:
 
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_the_paged_kernel_reads_and_writes_an_int8_cache(block_size: int) -> None:
-    """The virtual cache's int8 rows and scales, through the block table: stored exactly as
+    """The virtual cache's int8 rows and qparams, through the block table: stored exactly as
     quantized, attention over them within float32 rounding, short and split long contexts."""
     check_kernel("paged", paged_cache(dtype="int8", block_size=block_size), query_heads=8, tolerance=1e-5)
     long_context = [{"a": 600, "b": 20}, {"a": 20, "b": 1}, {"a": 1, "b": 1}, {"a": 1}]

@@ -22,25 +22,27 @@ def write(cache: KVCache, reqid: int, tokens: list[int], start: int = 0) -> None
     cache.step({reqid: len(tokens)})
     for layer in range(cache.config.num_layers):
         keys, values = cache.kv(layer, reqid)
-        scales = cache.kv_scales(layer, reqid) if cache.config.quantized else None
+        qparams = cache.kv_qparams(layer, reqid) if cache.config.quantized else None
         for position in range(start, len(tokens)):
             value = float(hash(tuple(tokens[: position + 1])) % 10_007 + layer)
-            if scales is None:
+            if qparams is None:
                 keys[position], values[position] = value, -value
-            else:  # an int8 cache: a small value per row, the whole one in its scales
+            else:  # an int8 cache: a small value per row, the whole one in its qparams
                 keys[position], values[position] = value % 251 - 125, -(value % 251) + 125
-                scales[0][position], scales[1][position] = value, -value
+                qparams[0][position], qparams[1][position] = value, -value
 
 
 def snapshot(cache: KVCache, reqid: int, tokens: int) -> list[torch.Tensor]:
     return [part[:tokens].clone() for layer in range(cache.config.num_layers) for part in cache.kv(layer, reqid)]
 
 
-def scale_snapshot(cache: KVCache, reqid: int, tokens: int) -> list[torch.Tensor]:
-    """An int8 cache's scales as `snapshot` takes the values (none for a float cache)."""
+def qparams_snapshot(cache: KVCache, reqid: int, tokens: int) -> list[torch.Tensor]:
+    """An int8 cache's qparams as `snapshot` takes the values (none for a float cache)."""
     if not cache.config.quantized:
         return []
-    return [part[:tokens].clone() for layer in range(cache.config.num_layers) for part in cache.kv_scales(layer, reqid)]
+    return [
+        part[:tokens].clone() for layer in range(cache.config.num_layers) for part in cache.kv_qparams(layer, reqid)
+    ]
 
 
 def test_a_cached_prefix_is_mapped_not_copied_and_reads_the_same(make_cache: MakeCache) -> None:
@@ -98,7 +100,7 @@ def test_a_prompt_never_matches_whole_so_its_last_token_is_computed(make_cache: 
 def test_a_prefix_that_ends_inside_a_unit_is_matched_to_the_token(make_cache: MakeCache, dtype: str) -> None:
     """A system prompt 22 tokens into a third unit, before two questions: the second request
     maps the two whole units it shares and copies the 22 tokens of the third that it shares
-    too (values and, in int8, scales) into pages of its own, which it then writes without
+    too (values and, in int8, qparams) into pages of its own, which it then writes without
     touching the first's (float32: 64-token units of 3 pages; int8: 1,024 tokens of 15)."""
     cache = make_cache(**ODD, dtype=dtype, max_context=4096)
     unit, groups = cache.config.unit_tokens, cache.config.unit_groups
@@ -107,7 +109,7 @@ def test_a_prefix_that_ends_inside_a_unit_is_matched_to_the_token(make_cache: Ma
     first = cache.alloc_reqid()
     write(cache, first, first_prompt)
     cache.cache_prefix(first, first_prompt)  # 3 whole units
-    first_kv = snapshot(cache, first, 3 * unit) + scale_snapshot(cache, first, 3 * unit)
+    first_kv = snapshot(cache, first, 3 * unit) + qparams_snapshot(cache, first, 3 * unit)
     second = cache.alloc_reqid()
     copied_before = cache.stats().counters.prefix_copied_bytes
     assert cache.match_prefix(second, second_prompt) == len(system)
@@ -117,10 +119,10 @@ def test_a_prefix_that_ends_inside_a_unit_is_matched_to_the_token(make_cache: Ma
     copied = cache.stats().counters.prefix_copied_bytes - copied_before
     assert copied == 22 * cache.config.bytes_per_token * cache.config.num_buffers
     assert cache.shared_lengths([second]) == [2 * unit]  # the copied tokens are its own
-    mine = snapshot(cache, second, len(system)) + scale_snapshot(cache, second, len(system))
+    mine = snapshot(cache, second, len(system)) + qparams_snapshot(cache, second, len(system))
     assert all(torch.equal(a, b[: len(system)]) for a, b in zip(mine, first_kv, strict=True))
     write(cache, second, second_prompt, start=len(system))
-    after = snapshot(cache, first, 3 * unit) + scale_snapshot(cache, first, 3 * unit)
+    after = snapshot(cache, first, 3 * unit) + qparams_snapshot(cache, first, 3 * unit)
     assert all(torch.equal(a, b) for a, b in zip(after, first_kv, strict=True))
     assert cache.stats().prefix.hits == len(system)
 

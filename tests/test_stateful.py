@@ -50,7 +50,7 @@ def kv_value(ids: tuple[int, ...]) -> float:
 
 def stored(tokens: torch.Tensor, layer: int, quantized: bool) -> tuple[torch.Tensor, ...]:
     """What a request stores in `layer` for KV values `tokens`: one value per K and V row, or in
-    an int8 cache a small int8 per row and its K and V scales (the values themselves)."""
+    an int8 cache a small int8 per row and its K and V qparams (the values themselves)."""
     keys, values = tokens + layer, -tokens - layer
     if not quantized:
         return keys, values
@@ -58,10 +58,10 @@ def stored(tokens: torch.Tensor, layer: int, quantized: bool) -> tuple[torch.Ten
 
 
 def write(cache: KVCache, layer: int, reqid: int, start: int, tokens: torch.Tensor) -> None:
-    """Stores `tokens[start:]` at positions `start:` of the request's K and V (and scales)."""
+    """Stores `tokens[start:]` at positions `start:` of the request's K and V (and qparams)."""
     views = cache.kv(layer, reqid)
     if cache.config.quantized:
-        views += cache.kv_scales(layer, reqid)
+        views += cache.kv_qparams(layer, reqid)
     for view, part in zip(views, stored(tokens[start:], layer, cache.config.quantized), strict=True):
         view[start:] = part.view(-1, *[1] * (view.dim() - 1))
 
@@ -94,7 +94,7 @@ class KeptView:
     generation: Generation
     layer: int
     views: tuple[torch.Tensor, ...]
-    """K and V (then their scales, for an int8 cache)."""
+    """K and V (then their qparams, for an int8 cache)."""
     written: torch.Tensor = field(init=False)
     """What the request had written at each position when the view was taken."""
 
@@ -291,7 +291,7 @@ class CacheMachine(RuleBasedStateMachine):
         layer = data.draw(st.integers(0, LAYERS - 1))
         views = self.cache.kv(layer, reqid)
         if self.cache.config.quantized:
-            views += self.cache.kv_scales(layer, reqid)
+            views += self.cache.kv_qparams(layer, reqid)
         self.views.append(KeptView(self.cache, reqid, self.generations[reqid], layer, views))
 
     @precondition(lambda self: self.views)
@@ -357,7 +357,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert stats.waste_bytes == stats.mapped_bytes - stats.used_bytes
         for reqid, tokens in self.tokens.items():
             for layer in range(LAYERS):
-                views = cache.kv(layer, reqid) + (cache.kv_scales(layer, reqid) if config.quantized else ())
+                views = cache.kv(layer, reqid) + (cache.kv_qparams(layer, reqid) if config.quantized else ())
                 assert_holds(views, tokens, layer)
 
     @invariant()

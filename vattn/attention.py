@@ -112,7 +112,7 @@ class AttentionKernel(ABC):
     reads_narrower_cache = False
     """Whether float32 q/k/v may attend over a float16 or bfloat16 cache (widened as it is read)."""
     reads_int8_cache = False
-    """Whether it reads an int8 cache's values and scales (float32 q/k/v, quantized as stored)."""
+    """Whether it reads an int8 cache's values and qparams (float32 q/k/v, quantized as stored)."""
 
     def __init__(self, cache: KVCache, num_query_heads: int) -> None:
         cfg = cache.config

@@ -29,7 +29,7 @@ class CacheAccess:
     _memory: CacheMemory | None
     _layers: list[tuple[torch.Tensor, torch.Tensor]]
     """Each layer's K and V virtual tensors."""
-    _scales: list[tuple[torch.Tensor, torch.Tensor]]
+    _qparams: list[tuple[torch.Tensor, torch.Tensor]]
     """An int8 cache's K and V (scale, midpoint) pairs, per layer."""
 
     def kv(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,16 +44,16 @@ class CacheAccess:
             slot = self._active_slot(reqid)
             return self._open_memory().views(layer, [slot], slot.length, None, self.device)
 
-    def kv_scales(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """An int8 cache's K and V scales of one request in one layer, float32 `[length, kv_heads,
-        2]` views that hold its slot as `kv`'s do: with (scale, midpoint) = kv_scales(...)[0][t, h],
+    def kv_qparams(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An int8 cache's K and V qparams of one request in one layer, float32 `[length, kv_heads,
+        2]` views that hold its slot as `kv`'s do: with (scale, midpoint) = kv_qparams(...)[0][t, h],
         value d of head h at token t is `kv(...)[0][t, h, d] * scale + midpoint`."""
         with self._lock:
             self._check_open()
             self._require_quantized()
             layer = self._layer_index(layer)
             slot = self._active_slot(reqid)
-            return self._open_memory().views(layer, [slot], slot.length, None, self.device, scales=True)
+            return self._open_memory().views(layer, [slot], slot.length, None, self.device, qparams=True)
 
     def kv_batch(self, layer: int, reqids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[len(reqids), max length, kv_heads, head_dim]` for padded batched attention.
@@ -69,7 +69,7 @@ class CacheAccess:
             if not reqids:
                 raise ValueError("kv_batch needs at least one reqid")
             if self.config.quantized:
-                raise ValueError("kv_batch pads float K/V; an int8 cache's need their scales: use kv and kv_scales")
+                raise ValueError("kv_batch pads float K/V; an int8 cache's need their qparams: use kv and kv_qparams")
             slots = [self._active_slot(r) for r in reqids]
             return self._open_memory().padded_batch(layer, self._layers[layer], slots, self.device)
 
@@ -97,13 +97,13 @@ class CacheAccess:
             self._check_open()
             return self._layers[self._layer_index(layer)]
 
-    def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """An int8 cache's K and V scales of one layer, `[max_slots, max_context, kv_heads, 2]`, for
+    def layer_qparams(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An int8 cache's K and V qparams of one layer, `[max_slots, max_context, kv_heads, 2]`, for
         the kernels under the same rule as `layer_tensors`."""
         with self._lock:
             self._check_open()
             self._require_quantized()
-            return self._scales[self._layer_index(layer)]
+            return self._qparams[self._layer_index(layer)]
 
     def page_table(self, reqid: int) -> list[list[int]]:
         """Physical pages behind a request: entry k lists page k of each virtual tensor."""
@@ -115,7 +115,7 @@ class CacheAccess:
 
     def _require_quantized(self) -> None:
         if not self.config.quantized:
-            raise ValueError(f"only an int8 cache has scales; this one is {self.config.dtype}")
+            raise ValueError(f"only an int8 cache has qparams; this one is {self.config.dtype}")
 
     def _layer_index(self, layer: int) -> int:
         return exact_int(layer, "layer", 0, self.config.num_layers - 1)

@@ -27,8 +27,8 @@ float32 scale and midpoint: the middle of the row's range and its width / 254 (a
 token and head, as OpenVINO's u8 cache). They sit after the values in each token's row of the
 same virtual tensor, so they are mapped, shared, copied and leased with the values and need no
 page schedule of their own."""
-SCALE_BYTES = 8
-"""A float32 (scale, midpoint) pair per (token, kv head) in an int8 cache."""
+QPARAM_BYTES = 8
+"""An int8 cache's qparams (quantization parameters): a float32 (scale, midpoint) pair per (token, kv head)."""
 GPU_KERNEL_BLOCK_TOKENS = 16
 """Tokens of the blocks that GPU kernels see a slot as (what FlashInfer's paged wrappers call
 pages, via `gpu_kernels.token_blocks`; a *page* here is always a physical page): every slot
@@ -111,7 +111,7 @@ class KVCacheConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.dtype == torch.int8 and self.num_kv_heads * self.head_dim % 4:
             raise ValueError(
-                "an int8 cache needs num_kv_heads x head_dim divisible by 4 (its float32 scales "
+                "an int8 cache needs num_kv_heads x head_dim divisible by 4 (its float32 qparams "
                 f"follow the values), got {self.num_kv_heads} x {self.head_dim}"
             )
         if self.layout not in LAYOUTS:
@@ -146,9 +146,9 @@ class KVCacheConfig:
 
     @cached_property
     def layer_row_bytes(self) -> int:
-        """Bytes of one token's K (or V) in one layer: its values, then an int8 cache's scales."""
+        """Bytes of one token's K (or V) in one layer: its values, then an int8 cache's qparams."""
         values = self.num_kv_heads * self.head_dim * self.element_size
-        return values + (SCALE_BYTES * self.num_kv_heads if self.quantized else 0)
+        return values + (QPARAM_BYTES * self.num_kv_heads if self.quantized else 0)
 
     @cached_property
     def bytes_per_token(self) -> int:
@@ -246,7 +246,7 @@ class KVCacheConfig:
             return flat.as_strided((length, heads, dim), (token, dim, 1), offset)
         return flat.as_strided((rows, length, heads, dim), (slot, token, dim, 1), offset)
 
-    def scales_view(self, flat: torch.Tensor, layer: int, length: int, rows: int | None = None) -> torch.Tensor:
+    def qparams_view(self, flat: torch.Tensor, layer: int, length: int, rows: int | None = None) -> torch.Tensor:
         """An int8 cache's float32 (scale, midpoint) pairs, `[rows, length, kv_heads, 2]`
         (`[length, kv_heads, 2]` if `rows` is None), over the same elements `flat` as `rows_view`
         (no copy)."""

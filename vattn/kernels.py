@@ -67,14 +67,14 @@ class RaggedKernel(AttentionKernel):
         return replace(batch, wrapper=tuple(torch.tensor(column, dtype=torch.int64) for column in columns))
 
     def _layer_kv(self, layer: int) -> tuple[Tensor, ...]:
-        """K and V, and an int8 cache's K and V scales after them."""
+        """K and V, and an int8 cache's K and V qparams after them."""
         kv = self.cache.layer_tensors(layer)
-        return (*kv, *self.cache.layer_scales(layer)) if self.cache.config.quantized else kv
+        return (*kv, *self.cache.layer_qparams(layer)) if self.cache.config.quantized else kv
 
     def _forward(self, kv: tuple[Tensor, ...], batch: AttentionBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = torch.empty_like(q)
-        keys, values, *scales = kv
-        self._attend(out, q, keys, values, *batch.wrapper, self.scale, k, v, *scales)  # stores k, v, then attends
+        keys, values, *qparams = kv
+        self._attend(out, q, keys, values, *batch.wrapper, self.scale, k, v, *qparams)  # stores k, v, then attends
         return out
 
 

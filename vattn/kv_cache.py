@@ -48,7 +48,7 @@ class KVCache(CacheAccess):
         self._pool = PagePool(self.backend, config.pool_pages, budget, config.page_size)
         self._prefix = PrefixCache(self._pool, config.record_events)
         memory = CacheMemory(config, self.backend, self._slots, self._pool)
-        kernels_lease, self._layers, self._scales = memory.open()
+        kernels_lease, self._layers, self._qparams = memory.open()
         """Each layer's K and V virtual tensors, for the kernels (`layer_tensors`)."""
         self._memory: CacheMemory | None = memory
         """Held while open; afterwards only views hold it (see close)."""
@@ -266,7 +266,7 @@ class KVCache(CacheAccess):
         if self._stop_mapper:
             self._stop_mapper()
         self._layers.clear()
-        self._scales.clear()
+        self._qparams.clear()
         memory, self._memory = self._memory, None
         if memory and self._kernels_lease() is None and not any(slot.pinned() for slot in self._slots):
             memory.release()  # here, so that errors reach the caller

@@ -49,7 +49,7 @@ class CacheMemory:
     ) -> tuple[Lease, list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
         """Reserves the address space and returns a lease on no slot with, over it, each layer's
         K and V `[slots, context, kv_heads, head_dim]` virtual tensors (the kernels') and, for an
-        int8 cache, their `[slots, context, kv_heads, 2]` scales (else no scales); releases what it
+        int8 cache, their `[slots, context, kv_heads, 2]` qparams (else none); releases what it
         reserved if anything fails."""
         cfg = self.config
         try:
@@ -68,11 +68,11 @@ class CacheMemory:
             tuple(cfg.rows_view(buffers[b], layer, context, rows) for b in cfg.kv_buffers(layer))
             for layer in range(cfg.num_layers)
         ]
-        scales = [
-            tuple(cfg.scales_view(buffers[b], layer, context, rows) for b in cfg.kv_buffers(layer))
+        qparams = [
+            tuple(cfg.qparams_view(buffers[b], layer, context, rows) for b in cfg.kv_buffers(layer))
             for layer in range(cfg.num_layers if cfg.quantized else 0)
         ]
-        return kernels_lease, layers, scales  # type: ignore[return-value]
+        return kernels_lease, layers, qparams  # type: ignore[return-value]
 
     def padded_batch(
         self, layer: int, layer_tensors: tuple[torch.Tensor, torch.Tensor], slots: list[Slot], device: torch.device
@@ -98,23 +98,23 @@ class CacheMemory:
         return copies
 
     def views(
-        self, layer: int, slots: list[Slot], length: int, rows: int | None, device: torch.device, scales: bool = False
+        self, layer: int, slots: list[Slot], length: int, rows: int | None, device: torch.device, qparams: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V views (`rows_view`, or an int8 cache's `scales_view` when `scales`) of
+        """K and V views (`rows_view`, or an int8 cache's `qparams_view` when `qparams`) of
         consecutive slots over storages of their own, which hold a lease on exactly those slots
         (the cache's lock held)."""
         cfg = self.config
         if length == 0:
-            inner = (cfg.num_kv_heads, 2) if scales else (cfg.num_kv_heads, cfg.head_dim)
+            inner = (cfg.num_kv_heads, 2) if qparams else (cfg.num_kv_heads, cfg.head_dim)
             shape = (0, *inner) if rows is None else (rows, 0, *inner)
-            empty = torch.empty(shape, dtype=torch.float32 if scales else cfg.dtype, device=device)
+            empty = torch.empty(shape, dtype=torch.float32 if qparams else cfg.dtype, device=device)
             return empty, empty.clone()
         lease = Lease(self, slots)
         offset, nbytes = slots[0].index * cfg.slot_stride, cfg.rows_bytes(rows or 1, length)
         k, v = (
             self.backend.tensor(self.bases[b] + offset, nbytes, lease, True, cfg.dtype) for b in cfg.kv_buffers(layer)
         )
-        view = cfg.scales_view if scales else cfg.rows_view
+        view = cfg.qparams_view if qparams else cfg.rows_view
         return view(k, layer, length, rows), view(v, layer, length, rows)
 
 

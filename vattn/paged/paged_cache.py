@@ -22,7 +22,7 @@ from functools import cached_property
 
 import torch
 
-from vattn.config import DTYPES, SCALE_BYTES
+from vattn.config import DTYPES, QPARAM_BYTES
 from vattn.errors import OutOfSlotsError
 from vattn.paged.block_pool import BlockPool
 from vattn.stats import CacheStats, MappingCounters
@@ -62,9 +62,9 @@ class PagedKVCacheConfig:
 
     @cached_property
     def bytes_per_token(self) -> int:
-        """One token's K and V in every layer (and an int8 cache's scales)."""
+        """One token's K and V in every layer (and an int8 cache's qparams)."""
         values = self.num_kv_heads * self.head_dim * self.dtype.itemsize  # type: ignore[union-attr]
-        return 2 * self.num_layers * (values + (SCALE_BYTES * self.num_kv_heads if self.quantized else 0))
+        return 2 * self.num_layers * (values + (QPARAM_BYTES * self.num_kv_heads if self.quantized else 0))
 
     @cached_property
     def block_bytes(self) -> int:
@@ -91,7 +91,7 @@ class PagedKVCache:
         self.config = cfg = config
         shape = (cfg.num_layers, 2, cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
         self._blocks = torch.empty(shape, dtype=cfg.dtype, device=cfg.device)  # type: ignore[arg-type]
-        self._scales = torch.empty((*shape[:-1], 2) if cfg.quantized else 0, device=cfg.device)
+        self._qparams = torch.empty((*shape[:-1], 2) if cfg.quantized else 0, device=cfg.device)
         """An int8 cache's float32 (scale, midpoint) pairs, `[layers, 2, num_blocks, block_size, kv_heads, 2]`."""
         self.device = self._blocks.device
         self._pool = BlockPool(cfg.num_blocks)
@@ -171,20 +171,20 @@ class PagedKVCache:
         layer = exact_int(layer, "layer", 0, self.config.num_layers - 1)
         return self._blocks[layer, 0], self._blocks[layer, 1]
 
-    def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_qparams(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """An int8 cache's K and V (scale, midpoint) pairs of a layer, each `[num_blocks, block_size, kv_heads, 2]`."""
         self._require_quantized()
         layer = exact_int(layer, "layer", 0, self.config.num_layers - 1)
-        return self._scales[layer, 0], self._scales[layer, 1]
+        return self._qparams[layer, 0], self._qparams[layer, 1]
 
     def kv(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of one request's K and V in one layer, `[length, kv_heads, head_dim]`
         (gathered: a paged request has no contiguous view)."""
         return self._gathered(reqid, self.layer_blocks(layer))
 
-    def kv_scales(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_qparams(self, layer: int, reqid: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of an int8 cache's K and V (scale, midpoint) pairs of one request, `[length, kv_heads, 2]`."""
-        return self._gathered(reqid, self.layer_scales(layer))
+        return self._gathered(reqid, self.layer_qparams(layer))
 
     def stats(self) -> CacheStats:
         """The virtual cache's figures for blocks: a page is one block (every layer's K and V
@@ -225,7 +225,7 @@ class PagedKVCache:
     def _require_quantized(self) -> None:
         self._check_open()
         if not self.config.quantized:
-            raise ValueError(f"only an int8 cache has scales; this one is {self.config.dtype}")
+            raise ValueError(f"only an int8 cache has qparams; this one is {self.config.dtype}")
 
     def _check_open(self) -> None:
         if self._closed:

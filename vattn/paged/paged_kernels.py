@@ -181,14 +181,14 @@ class PagedNativeKernel(PagedKernel):
         return replace(batch, wrapper=(batch.host_block_table.contiguous(), *vectors))
 
     def _layer_kv(self, layer: int) -> tuple[Tensor, ...]:
-        """K and V blocks, and an int8 cache's K and V scales after them."""
+        """K and V blocks, and an int8 cache's K and V qparams after them."""
         blocks = self.cache.layer_blocks(layer)
-        return (*blocks, *self.cache.layer_scales(layer)) if self.cache.config.quantized else blocks
+        return (*blocks, *self.cache.layer_qparams(layer)) if self.cache.config.quantized else blocks
 
     def _forward(self, blocks: tuple[Tensor, ...], batch: PagedBatch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = torch.empty_like(q)
-        keys, values, *scales = blocks
-        self._attend(out, q, keys, values, *batch.wrapper, self.scale, k, v, *scales)  # stores k, v, then attends
+        keys, values, *qparams = blocks
+        self._attend(out, q, keys, values, *batch.wrapper, self.scale, k, v, *qparams)  # stores k, v, then attends
         return out
 
 
