@@ -5,8 +5,9 @@ on the same batches of the default model's attention (9 query heads over 3 kv he
 system over `--layers` caches of its own so that a pass reads as much K/V as a model step, the two
 alternating pass by pass for `--rounds` rounds (best of `--repeats` passes each). Shapes are
 BATCHxCONTEXTxNEW: decodes (NEW 1) at serving_compare's contexts and beyond, and whole prompts (NEW =
-CONTEXT). Reported: each system's milliseconds per pass, and vattn's speed relative to vLLM's
-(vLLM's time over vattn's) round by round, its median and range.
+CONTEXT). vLLM runs the kernel it picks here and, where that is its AMX one, its AVX-512 one ("vec")
+too: what AMX buys it. Reported: each system's milliseconds per pass, and vattn's speed relative to
+each vLLM kernel's (its time over vattn's) round by round, its median and range.
 
     python -m benchmarks.attention_vs_vllm [--shapes 16x300x1,48x300x1,16x2000x1,8x256x256,4x512x512] [--rounds 5]
 """
@@ -50,35 +51,42 @@ def parse_shape(text: str) -> dict[str, int]:
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per shape: each system's median ms and vattn's speed relative to vLLM's, paired by round."""
+    """Per shape and vLLM kernel (its ISA): both systems' median ms and vattn's speed relative to
+    that kernel's (its time over vattn's), paired by round."""
     summary = []
     for shape in dict.fromkeys((r["batch"], r["context"], r["new"]) for r in rows):
         mine = [r for r in rows if (r["batch"], r["context"], r["new"]) == shape]
         vattn = [r["ms"] for r in mine if r["system"] == "vattn"]
-        vllm = [r["ms"] for r in mine if r["system"] == "vllm"]
-        ratio = ratio_range(vllm, vattn)  # times: vLLM's over vattn's is vattn's relative speed
-        summary.append(
-            {
-                "shape": "x".join(map(str, shape)),
-                "vattn_ms": statistics.median(vattn),
-                "vllm_ms": statistics.median(vllm),
-                "vattn_speed_vs_vllm": ratio["median"],
-                "min": ratio["min"],
-                "max": ratio["max"],
-                "vllm_isa": mine[0]["vllm_isa"],
-            }
-        )
+        for peer in dict.fromkeys(r["system"] for r in mine if r["system"] != "vattn"):
+            theirs = [r["ms"] for r in mine if r["system"] == peer]
+            ratio = ratio_range(theirs, vattn)
+            summary.append(
+                {
+                    "shape": "x".join(map(str, shape)),
+                    "peer": peer,
+                    "vattn_ms": statistics.median(vattn),
+                    "peer_ms": statistics.median(theirs),
+                    "vattn_speed": ratio["median"],
+                    "min": ratio["min"],
+                    "max": ratio["max"],
+                }
+            )
     return summary
 
 
 def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
-    fig, axis = plt.subplots(figsize=(6, 3.5))
-    names = [row["shape"] for row in summary]
-    medians = [row["vattn_speed_vs_vllm"] for row in summary]
-    below = [m - row["min"] for m, row in zip(medians, summary, strict=True)]
-    above = [row["max"] - m for m, row in zip(medians, summary, strict=True)]
-    axis.bar(names, medians, yerr=[below, above], capsize=4)
+    fig, axis = plt.subplots(figsize=(6.5, 3.5))
+    shapes, peers = list(dict.fromkeys(r["shape"] for r in summary)), list(dict.fromkeys(r["peer"] for r in summary))
+    width = 0.8 / len(peers)
+    for i, peer in enumerate(peers):
+        mine = [next(r for r in summary if r["shape"] == s and r["peer"] == peer) for s in shapes]
+        medians = [r["vattn_speed"] for r in mine]
+        errors = [[r["vattn_speed"] - r["min"] for r in mine], [r["max"] - r["vattn_speed"] for r in mine]]
+        places = [x + (i - (len(peers) - 1) / 2) * width for x in range(len(shapes))]
+        axis.bar(places, medians, width, yerr=errors, capsize=3, label=f"against {peer}")
+    axis.set_xticks(range(len(shapes)), shapes)
     axis.axhline(1.0, color="grey", linewidth=0.8)
+    axis.legend(fontsize=7)
     axis.set_ylabel("vattn speed / vLLM's (time ratio)")
     axis.set_xlabel("batch x context x new tokens")
     save_figure(fig, path, title)
@@ -117,11 +125,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     columns = [
         ("shape", "shape", 12, ""),
         ("vattn ms", "vattn_ms", 9, ".1f"),
-        ("vLLM ms", "vllm_ms", 9, ".1f"),
-        ("vattn speed", "vattn_speed_vs_vllm", 12, ".2f"),
+        ("against", "peer", 10, ""),
+        ("its ms", "peer_ms", 9, ".1f"),
+        ("vattn speed", "vattn_speed", 12, ".2f"),
         ("min", "min", 6, ".2f"),
         ("max", "max", 6, ".2f"),
-        ("vLLM ISA", "vllm_isa", 9, ""),
     ]
     print_table(summary, columns, f"attention per pass over {args.layers} layers, median of {args.rounds} rounds")
     plot(summary, png_path, f"vattn ragged attention vs vLLM CPU attention, {args.layers} layers, bf16")
