@@ -16,6 +16,7 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 BLOCK = 128  # vLLM's CPU default block size
 
@@ -91,13 +92,14 @@ def main() -> None:
         spec = json.load(file)
     torch.manual_seed(0)
     rows = []
-    for shape in spec["shapes"]:
-        runs = systems(shape, spec["heads"], spec["kv_heads"], spec["head_dim"], spec["layers"])
-        for round_number in range(spec["rounds"]):
-            for name, run in runs.items():
-                seconds = best_of(run, spec["repeats"])
-                rows.append({**shape, "system": name, "round": round_number, "ms": 1000 * seconds})
-                print(f"{shape} round {round_number} {name}: {1000 * seconds:.2f} ms", flush=True)
+    with tqdm(total=len(spec["shapes"]) * spec["rounds"], desc="shapes x rounds") as bar:
+        for shape in spec["shapes"]:
+            runs = systems(shape, spec["heads"], spec["kv_heads"], spec["head_dim"], spec["layers"])
+            for round_number in range(spec["rounds"]):
+                for name, run in runs.items():
+                    seconds = best_of(run, spec["repeats"])
+                    rows.append({**shape, "system": name, "round": round_number, "ms": 1000 * seconds})
+                bar.update()
     with open(out_path, "w") as file:
         json.dump({"rows": rows, "torch": torch.__version__, "threads": torch.get_num_threads()}, file)
     os._exit(0)  # vLLM's threads can abort the interpreter's teardown (vllm_logprobs.py)
