@@ -24,33 +24,33 @@
 
 namespace {
 
-// Rows of S normed into rows of T (S is T, or float32 under a 16-bit T).
+// Row r of S normed into row r of T (S is T, or float32 under a 16-bit T); with `x`, x's row is
+// first added into the source row (residual += x, rounded to S), in the same pass while the row
+// is in L1: a second pass over a prompt step's residual stream cost its reads again.
 template <typename S, typename T>
-void norm_rows(const S* src, int64_t src_stride, T* dst, const T* weight, int64_t rows, int64_t width, double eps) {
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const S* row = src + r * src_stride;
-      float squares = 0.0f;
+void norm_row(S* row, const T* x, T* out, const T* weight, int64_t width, double eps) {
+  float squares = 0.0f;
+  if (x != nullptr) {
 #pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < width; ++i) {
-        const float value = widen(row[i]);
-        squares += value * value;
-      }
-      const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(width) + static_cast<float>(eps));
-      T* out = dst + r * width;
-#pragma omp simd
-      for (int64_t i = 0; i < width; ++i) out[i] = narrow<T>(widen(weight[i]) * widen(narrow<S>(widen(row[i]) * inverse)));
+    for (int64_t i = 0; i < width; ++i) {
+      const S sum = narrow<S>(widen(row[i]) + widen(x[i]));
+      row[i] = sum;
+      squares += widen(sum) * widen(sum);
     }
-  });
+  } else {
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < width; ++i) squares += widen(row[i]) * widen(row[i]);
+  }
+  const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(width) + static_cast<float>(eps));
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) out[i] = narrow<T>(widen(weight[i]) * widen(narrow<S>(widen(row[i]) * inverse)));
 }
 
 template <typename S, typename T>
-void add_rows(S* residual, const T* x, int64_t rows, int64_t width) {
+void norm_rows(S* src, int64_t src_stride, const T* x, T* dst, const T* weight, int64_t rows, int64_t width, double eps) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-#pragma omp simd
-      for (int64_t i = 0; i < width; ++i)
-        residual[r * width + i] = narrow<S>(widen(residual[r * width + i]) + widen(x[r * width + i]));
+      norm_row(src + r * src_stride, x == nullptr ? nullptr : x + r * width, dst + r * width, weight, width, eps);
   });
 }
 
@@ -61,25 +61,28 @@ void check(const at::Tensor& x, const at::Tensor& weight) {
               "weight must be a contiguous [hidden] CPU tensor of x's dtype");
 }
 
-// `src` normed into a new tensor of `weight`'s dtype: src's dtype, or float32 under a 16-bit one.
-at::Tensor norm(const at::Tensor& src, const at::Tensor& weight, double eps) {
+// `src` (plus `x`, added into it first, where given) normed into a new tensor of `weight`'s
+// dtype: src's dtype, or float32 under a 16-bit one.
+at::Tensor norm(const at::Tensor& src, const at::Tensor* x, const at::Tensor& weight, double eps) {
   at::Tensor out = at::empty(src.sizes(), src.options().dtype(weight.scalar_type()));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, weight.scalar_type(), "rms_norm", [&] {
-    auto rows = [&]<typename S>(const S* data) {
-      norm_rows<S, scalar_t>(data, src.stride(0), out.mutable_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(),
-                             src.size(0), src.size(1), eps);
+    const scalar_t* added = x == nullptr ? nullptr : x->const_data_ptr<scalar_t>();
+    auto rows = [&]<typename S>(S* data) {
+      norm_rows<S, scalar_t>(data, src.stride(0), added, out.mutable_data_ptr<scalar_t>(),
+                             weight.const_data_ptr<scalar_t>(), src.size(0), src.size(1), eps);
     };
+    // rms_norm never writes its source (x is null there): the const_cast only serves the shared loop.
     if (src.scalar_type() == weight.scalar_type())
-      rows(src.const_data_ptr<scalar_t>());
+      rows(const_cast<scalar_t*>(src.const_data_ptr<scalar_t>()));
     else
-      rows(src.const_data_ptr<float>());
+      rows(const_cast<float*>(src.const_data_ptr<float>()));
   });
   return out;
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check(x, weight);
-  return norm(x, weight, eps);
+  return norm(x, nullptr, weight, eps);
 }
 
 at::Tensor add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
@@ -88,13 +91,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const a
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && residual.sizes() == x.sizes() &&
                   (wide || residual.scalar_type() == x.scalar_type()) && residual.device().is_cpu(),
               "x and residual must be contiguous CPU tensors of one shape, the residual of x's dtype or float32");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
-    if (wide)
-      add_rows(residual.mutable_data_ptr<float>(), x.const_data_ptr<scalar_t>(), x.size(0), x.size(1));
-    else
-      add_rows(residual.mutable_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), x.size(0), x.size(1));
-  });
-  return norm(residual, weight, eps);
+  return norm(residual, &x, weight, eps);
 }
 
 }  // namespace
