@@ -21,14 +21,16 @@
 #include <optional>
 
 #include "narrow_floats.h"
+#include "widest_simd.h"
 
 namespace {
 
 // Row r of S normed into row r of T (S is T, or float32 under a 16-bit T); with `x`, x's row is
 // first added into the source row (residual += x, rounded to S), in the same pass while the row
-// is in L1: a second pass over a prompt step's residual stream cost its reads again.
+// is in L1: a second pass over a prompt step's residual stream cost its reads again. Inlined
+// into each body below, so it vectorizes for the body's target.
 template <typename S, typename T>
-void norm_row(S* row, const T* x, T* out, const T* weight, int64_t width, double eps) {
+[[gnu::always_inline]] inline void norm_row(S* row, const T* x, T* out, const T* weight, int64_t width, double eps) {
   float squares = 0.0f;
   if (x != nullptr) {
 #pragma omp simd reduction(+ : squares)
@@ -46,11 +48,38 @@ void norm_row(S* row, const T* x, T* out, const T* weight, int64_t width, double
   for (int64_t i = 0; i < width; ++i) out[i] = narrow<T>(widen(weight[i]) * widen(narrow<S>(widen(row[i]) * inverse)));
 }
 
+// Rows [begin, end), inlined into each body below: at the build's baseline ISA (AVX2 on x86), or
+// AVX-512's 16-float vectors where widest_simd() allows.
+template <typename S, typename T>
+[[gnu::always_inline]] inline void norm_span(S* src, int64_t src_stride, const T* x, T* dst, const T* weight,
+                                             int64_t begin, int64_t end, int64_t width, double eps) {
+  for (int64_t r = begin; r < end; ++r)
+    norm_row(src + r * src_stride, x == nullptr ? nullptr : x + r * width, dst + r * width, weight, width, eps);
+}
+
+template <typename S, typename T>
+void norm_span_baseline(S* src, int64_t src_stride, const T* x, T* dst, const T* weight, int64_t begin, int64_t end,
+                        int64_t width, double eps) {
+  norm_span(src, src_stride, x, dst, weight, begin, end, width, eps);
+}
+
+#if defined(__x86_64__)
+template <typename S, typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,prefer-vector-width=512"))) void norm_span_avx512(
+    S* src, int64_t src_stride, const T* x, T* dst, const T* weight, int64_t begin, int64_t end, int64_t width,
+    double eps) {
+  norm_span(src, src_stride, x, dst, weight, begin, end, width, eps);
+}
+#endif
+
 template <typename S, typename T>
 void norm_rows(S* src, int64_t src_stride, const T* x, T* dst, const T* weight, int64_t rows, int64_t width, double eps) {
+  auto span = norm_span_baseline<S, T>;
+#if defined(__x86_64__)
+  if (widest_simd() == "avx512") span = norm_span_avx512<S, T>;
+#endif
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      norm_row(src + r * src_stride, x == nullptr ? nullptr : x + r * width, dst + r * width, weight, width, eps);
+    span(src, src_stride, x, dst, weight, begin, end, width, eps);
   });
 }
 
