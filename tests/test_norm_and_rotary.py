@@ -90,16 +90,49 @@ print("ok")
 """
 
 
+ROTARY_AND_NORM_CHECK = """
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+from serving.model.runner import Norm, rotate
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    for tokens, heads, kv_heads, dim in ((6, 4, 2, 16), (37, 9, 3, 64), (5, 2, 1, 128)):  # half a vector to four
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+        angles = torch.randn(tokens, dim // 2).repeat(1, 2)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+        expected = apply_rotary_pos_emb(q.clone(), k.clone(), cos, sin, unsqueeze_dim=1)
+        for got, want in zip(rotate(q, k, cos, sin), expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for rows, width in ((3, 64), (70, 576), (2, 100)):  # widths that end mid-vector too
+        module = LlamaRMSNorm(width, eps=1e-5).to(dtype)
+        torch.nn.init.normal_(module.weight)
+        x, residual = torch.randn(rows, width).to(dtype), torch.randn(rows, width)
+        tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(Norm.of(module)(x), module(x), rtol=tolerance, atol=tolerance)
+        expected_sum = residual + x.float()
+        normed = Norm.of(module).add_and_norm(x, residual)
+        assert torch.equal(residual, expected_sum)
+        torch.testing.assert_close(normed, module(expected_sum).to(dtype), rtol=tolerance, atol=tolerance)
+print("ok")
+"""
+BODY_CHECKS = {"silu_and_mul": SILU_CHECK, "rotary_and_norm": ROTARY_AND_NORM_CHECK}
+
+
 @pytest.mark.parametrize("capability", ["", "avx2"])
-def test_silu_and_mul_matches_torchs_two_operators(capability: str) -> None:
-    """SiLU(gate) * up in one pass (each SIMD body, chosen as torch chooses its own): a 16-bit
-    result equal to torch's silu then mul to the bit, float32 within 1e-6 (another exp), and
-    infinities and NaN as torch gives them."""
+@pytest.mark.parametrize("operators", list(BODY_CHECKS))
+def test_each_simd_body_matches_the_reference(operators: str, capability: str) -> None:
+    """Each SIMD body of the operators (chosen as torch chooses its own, by ATEN_CPU_CAPABILITY),
+    in a process of its own. SiLU(gate) * up: a 16-bit result equal to torch's silu then mul to
+    the bit, float32 within 1e-6 (another exp), and infinities and NaN as torch gives them. The
+    rotary embedding: transformers' to the bit, bf16 too. RMSNorm (and the residual add before it):
+    LlamaRMSNorm's within the dtype's tolerance, the float32 residual's sum exact."""
     if not capability and torch.backends.cpu.get_cpu_capability() == "AVX2":
         pytest.skip("this process's own body is the avx2 case's: it runs it")
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
     env |= {"ATEN_CPU_CAPABILITY": capability} if capability else {}
-    result = subprocess.run([sys.executable, "-c", SILU_CHECK], env=env, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", BODY_CHECKS[operators]], env=env, capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.split() == ["ok"], result.stderr
 
 
