@@ -99,31 +99,38 @@ struct Item {
 };
 
 // One row's scores of a block (its first `visible` keys seen) folded into its running softmax:
-// probabilities (bf16) into p, its maximum `top` updated, and where it grows, the row's values'
-// sums so far (`acc`, head_dim floats) and its sum of probabilities (`sum_parts`, kept as 16 partial
-// sums, added up once the row is done) rescaled. All on AVX-512 (every CPU with AMX has it): on
-// AMX the products take less time than this.
+// probabilities (bf16) into p, and where the block passes the row's maximum `top`, `top` raised and
+// the row's values' sums so far (`acc`, head_dim floats) and its sum of probabilities (`sum_parts`,
+// kept as 16 partial sums, added up once the row is done) rescaled. Whether it passes is one
+// vertical compare of the block's raw maxima: the horizontal maximum and the rescale (half of this
+// function's time when every block took them) run only for the blocks that raise it, few after a
+// row's first. All on AVX-512 (every CPU with AMX has it): on AMX the products take less time than this.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) void softmax_block(
     const float* s, int64_t visible, float scale, float& top, float* sum_parts, float* acc, int64_t dim, bf16* p) {
   constexpr int64_t kVectors = kKeys / 16;
   __mmask16 live[kVectors];
-  __m512 scaled[kVectors], largest = _mm512_set1_ps(-INFINITY);
+  __m512 raw[kVectors], largest = _mm512_set1_ps(-INFINITY);
   for (int64_t i = 0; i < kVectors; ++i) {
     const int64_t count = std::clamp<int64_t>(visible - 16 * i, 0, 16);
     live[i] = static_cast<__mmask16>((1u << count) - 1);
-    scaled[i] = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * i), _mm512_set1_ps(scale));
-    largest = _mm512_mask_max_ps(largest, live[i], largest, scaled[i]);
+    raw[i] = _mm512_loadu_ps(s + 16 * i);
+    largest = _mm512_mask_max_ps(largest, live[i], largest, raw[i]);
   }
-  const float new_top = std::max(top, _mm512_reduce_max_ps(largest));
   __m512 sum = _mm512_loadu_ps(sum_parts);
-  if (new_top > top) {  // the row's first block too: its sums are zeros, times e^-87
-    const __m512 rescale = fast_exp16(_mm512_set1_ps(top - new_top));
-    sum = _mm512_mul_ps(sum, rescale);
-    for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), rescale));
+  // Scores are raw x scale (scale > 0): a raw score passes top / scale. A row's first block always
+  // does (top is -inf).
+  if (_mm512_cmp_ps_mask(largest, _mm512_set1_ps(top / scale), _CMP_GT_OQ) != 0) {
+    const float new_top = scale * _mm512_reduce_max_ps(largest);
+    if (top != -INFINITY) {  // a first block's sums are zeros: nothing to rescale
+      const __m512 rescale = _mm512_set1_ps(std::exp(top - new_top));
+      sum = _mm512_mul_ps(sum, rescale);
+      for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), rescale));
+    }
     top = new_top;
   }
+  const __m512 factor = _mm512_set1_ps(scale), shift = _mm512_set1_ps(top);
   for (int64_t i = 0; i < kVectors; ++i) {
-    const __m512 e = _mm512_maskz_mov_ps(live[i], fast_exp16(_mm512_sub_ps(scaled[i], _mm512_set1_ps(new_top))));
+    const __m512 e = _mm512_maskz_mov_ps(live[i], fast_exp16(_mm512_fmsub_ps(raw[i], factor, shift)));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
   }
