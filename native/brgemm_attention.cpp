@@ -1,6 +1,6 @@
 // Prompt chunks' attention on oneDNN's brgemm (see brgemm_attention.h), flash-attention style:
 // each request's keys and values are packed once per call in blocks of kKeys, in the layout
-// brgemm multiplies bf16 in (cpublas::pack); then each item (a request's kv head and kTokens of
+// brgemm multiplies bf16 in (cpublas::pack's VNNI pairs, written here directly); then each item (a request's kv head and kTokens of
 // its new tokens, the group's query heads as rows) walks the blocks its rows see, scores =
 // queries x keys^T on brgemm, a running softmax in float32, and values' sums += probabilities
 // (rounded to bf16) x values on brgemm.
@@ -15,6 +15,7 @@
 #include <cmath>
 #include <optional>
 #include <cstdlib>
+#include <memory>
 #include <numeric>
 #include <string>
 
@@ -35,9 +36,11 @@ constexpr int64_t kTokens = 64;  // new tokens an item: its rows are these x the
 constexpr int64_t kSlab = 64;    // the most columns oneDNN packs a B operand in (wider head_dims: slabs)
 
 // One request's kv head, packed: blocks of [head_dim x kKeys] keys^T and [kKeys x head_dim]
-// values (in slabs of kSlab columns), brgemm's B operands (keys past the length are zero).
+// values (in slabs of kSlab columns), brgemm's B operands (keys past the length are zero). Left
+// uninitialized when made (packing writes every element): std::vector's value-initialized
+// resize filled them one bf16 at a time, a third of a prompt's packing.
 struct PackedKV {
-  std::vector<bf16> keys, values;
+  std::unique_ptr<bf16[]> keys, values;
 };
 
 // A cache's rows as bf16: its own (a bf16 cache), or an int8 cache's widened by their scales and
@@ -68,29 +71,82 @@ struct CacheRows {
   }
 };
 
-// Chunk c's keys and values for kv head `kv`, packed in blocks of kKeys as brgemm reads them.
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+// r[0..16) as the rows of a 16 x 16 matrix of 32-bit values, transposed in place.
+AVX512_TARGET inline void transpose16x16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4q + c] holds, in 128-bit lane l, column 4l + c's values of rows 4q .. 4q + 3.
+  for (int c = 0; c < 4; ++c) {
+    const __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), b = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
+    const __m512i e = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88), f = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+    t[c] = _mm512_shuffle_i32x4(a, e, 0x88);       // column c
+    t[c + 4] = _mm512_shuffle_i32x4(b, f, 0x88);   // column c + 4
+    t[c + 8] = _mm512_shuffle_i32x4(a, e, 0xDD);   // column c + 8
+    t[c + 12] = _mm512_shuffle_i32x4(b, f, 0xDD);  // column c + 12
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// A block's rows ([kKeys][dim], zeros past the length) as brgemm's bf16 B operands, in the VNNI
+// layout cpublas::pack writes ([K / 2][N][2]: rows of K paired): keys^T (K = dim, N = kKeys) are
+// the transpose of the rows' 32-bit pairs, 16 x 16 at a time; values (K = kKeys, N = a slab's
+// columns) interleave rows 2k and 2k + 1, slab after slab of kSlab columns. Written directly, not
+// transposed element by element for cpublas::pack (a call per block and slab).
+AVX512_TARGET void pack_keys(const bf16* rows, int64_t dim, bf16* out) {
+  const auto* src = reinterpret_cast<const uint32_t*>(rows);
+  auto* dst = reinterpret_cast<uint32_t*>(out);
+  const int64_t pairs = dim / 2;  // a multiple of 16 (dim % 32 == 0)
+  for (int64_t j = 0; j < kKeys; j += 16)
+    for (int64_t p = 0; p < pairs; p += 16) {
+      __m512i r[16];
+      for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + (j + i) * pairs + p);
+      transpose16x16(r);
+      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (p + i) * kKeys + j, r[i]);
+    }
+}
+AVX512_TARGET void pack_values(const bf16* rows, int64_t dim, bf16* out) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t at = 0; at < dim; at += kSlab) {
+    const int64_t width = std::min(kSlab, dim - at);  // a multiple of 32
+    bf16* slab = out + at * kKeys;
+    for (int64_t k = 0; k < kKeys / 2; ++k)
+      for (int64_t c = 0; c < width; c += 16) {
+        const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + 2 * k * dim + at + c));
+        const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + (2 * k + 1) * dim + at + c));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
+        _mm512_storeu_si512(slab + (k * width + c) * 2, _mm512_permutexvar_epi16(interleave, both));
+      }
+  }
+}
+#undef AVX512_TARGET
+
+// Chunk c's keys and values for kv head `kv`, packed in blocks of kKeys as brgemm reads them;
+// `plain` holds a block's rows.
 void pack_request(const CacheRows& keys, const CacheRows& values, const PromptChunks& chunks, int64_t c, int64_t kv,
                   PackedKV& packed, std::vector<bf16>& plain) {
   const int64_t slot = chunks.slots[c], length = chunks.lengths[c], first_new = length - chunks.news[c];
   const int64_t start = chunks.starts[c];
   const int64_t dim = keys.cache.size(3), blocks = (length + kKeys - 1) / kKeys, block = dim * kKeys;
-  std::vector<bf16> row(dim);
-  packed.keys.resize(blocks * block);
-  packed.values.resize(blocks * block);
+  packed.keys = std::make_unique_for_overwrite<bf16[]>(blocks * block);
+  packed.values = std::make_unique_for_overwrite<bf16[]>(blocks * block);
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t first = b * kKeys, n = std::min(kKeys, length - first);
-    std::fill(plain.begin(), plain.end(), bf16(0.0f));
-    for (int64_t j = 0; j < n; ++j) {  // keys^T: plain[d][j]
-      keys.read(slot, kv, first + j, first_new, start, row.data());
-      for (int64_t d = 0; d < dim; ++d) plain[d * kKeys + j] = row[d];
-    }
-    cpublas::pack(dim, kKeys, kKeys, kKeys, at::kBFloat16, at::kBFloat16, plain.data(), &packed.keys[b * block]);
-    std::fill(plain.begin(), plain.end(), bf16(0.0f));
+    std::fill(plain.begin() + n * dim, plain.end(), bf16(0.0f));  // the last block's missing keys
+    for (int64_t j = 0; j < n; ++j) keys.read(slot, kv, first + j, first_new, start, &plain[j * dim]);
+    pack_keys(plain.data(), dim, &packed.keys[b * block]);
     for (int64_t j = 0; j < n; ++j) values.read(slot, kv, first + j, first_new, start, &plain[j * dim]);
-    for (int64_t at = 0; at < dim; at += kSlab) {  // values: slab after slab of kSlab columns
-      const int64_t width = std::min(kSlab, dim - at);
-      cpublas::pack(kKeys, width, dim, width, at::kBFloat16, at::kBFloat16, &plain[at], &packed.values[b * block + at * kKeys]);
-    }
+    pack_values(plain.data(), dim, &packed.values[b * block]);
   }
 }
 
