@@ -107,16 +107,13 @@ struct Avx512Bf16Math : Avx512Math {
   // is value row 2k + s at column 16c + i (a missing last row reads as zeros).
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void pack_values(
       const c10::BFloat16* const* values, int64_t n, int64_t dim, c10::BFloat16* packed) {
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int64_t k = 0; 2 * k < n; ++k)
       for (int64_t c = 0; c < dim / 16; ++c) {
         const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values[2 * k] + 16 * c));
         const __m256i second = 2 * k + 1 < n
                                    ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values[2 * k + 1] + 16 * c))
                                    : _mm256_setzero_si256();
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
-        _mm512_storeu_si512(packed + (k * dim / 16 + c) * 32, _mm512_permutexvar_epi16(interleave, both));
+        _mm512_storeu_si512(packed + (k * dim / 16 + c) * 32, interleave_pairs(first, second));
       }
   }
   // acc[l] += the block's probabilities p[l] (rounded to bf16 in pairs) times the packed values,

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "fast_exp.h"
+#include "vnni_pairs.h"
 #include "widest_simd.h"
 
 // GCC 12's AVX-512 intrinsics headers trip these (as in ragged_attention.cpp).
@@ -115,8 +116,6 @@ AVX512_TARGET void pack_keys(const bf16* rows, int64_t dim, bf16* out) {
     }
 }
 AVX512_TARGET void pack_values(const bf16* rows, int64_t dim, bf16* out) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t at = 0; at < dim; at += kSlab) {
     const int64_t width = std::min(kSlab, dim - at);  // a multiple of 32
     bf16* slab = out + at * kKeys;
@@ -124,8 +123,7 @@ AVX512_TARGET void pack_values(const bf16* rows, int64_t dim, bf16* out) {
       for (int64_t c = 0; c < width; c += 16) {
         const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + 2 * k * dim + at + c));
         const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + (2 * k + 1) * dim + at + c));
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
-        _mm512_storeu_si512(slab + (k * width + c) * 2, _mm512_permutexvar_epi16(interleave, both));
+        _mm512_storeu_si512(slab + (k * width + c) * 2, interleave_pairs(even, odd));
       }
   }
 }

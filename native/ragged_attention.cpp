@@ -38,6 +38,7 @@
 #include "brgemm_attention.h"
 #include "fast_exp.h"
 #include "narrow_floats.h"
+#include "vnni_pairs.h"
 #include "widest_simd.h"
 
 #if defined(__x86_64__)
