@@ -39,7 +39,7 @@ constexpr int64_t kSlab = 64;    // the most columns oneDNN packs a B operand in
 // One request's kv head, packed: blocks of [head_dim x kKeys] keys^T and [kKeys x head_dim]
 // values (in slabs of kSlab columns), brgemm's B operands (keys past the length are zero). Left
 // uninitialized when made (packing writes every element): std::vector's value-initialized
-// resize filled them one bf16 at a time, a third of a prompt's packing.
+// resize filled them one bf16 at a time, most of a prompt's packing time.
 struct PackedKV {
   std::unique_ptr<bf16[]> keys, values;
 };
