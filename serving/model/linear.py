@@ -80,6 +80,10 @@ def paired_kernels(activation_bits: int = 16) -> str | None:
 class Linear(Protocol):
     def __call__(self, x: Tensor) -> Tensor: ...
 
+    def rows_for(self, rows: int) -> int:
+        """The rows a call of `rows` rows multiplies: more where it pads them (DenseLinear)."""
+        ...
+
 
 def onednn_packs(weight: Tensor) -> bool:
     """Whether oneDNN's matmul takes this weight packed: on the CPU, float32, or bfloat16 where
@@ -160,15 +164,28 @@ class DenseLinear:
             torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_BATCH_HINT) if self.packed else weight.contiguous()
         )
 
+    def rows_for(self, rows: int) -> int:
+        """padded_rows(rows) where the call runs on oneDNN's packed matmul, else `rows`."""
+        tiled = self.tiles is not None and rows <= self.tiled_rows
+        return padded_rows(rows) if self.packed and not tiled else rows
+
     def __call__(self, x: Tensor) -> Tensor:
         if self.tiles is not None and x.dim() == 2 and x.shape[0] <= self.tiled_rows and x.dtype == self.tiles.dtype:
             return self._tiled_linear(x.contiguous(), self.tiles, self.tiles_bias)
         if self.packed:
             rows = x.shape[0]
             if x.dim() == 2 and (padded := padded_rows(rows)) != rows:
-                x = F.pad(x, (0, 0, 0, padded - rows))
+                x = with_rows(x, padded)
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
         return F.linear(x, self.weight, self.bias)
+
+
+def with_rows(x: Tensor, rows: int) -> Tensor:
+    """x `[n, ...]` copied with zero rows after it up to `rows` (only those zeroed: F.pad fills all of them first)."""
+    out = x.new_empty((rows, *x.shape[1:]))
+    out[: x.shape[0]].copy_(x)
+    out[x.shape[0] :].zero_()
+    return out
 
 
 class Bf16Linear:
@@ -178,6 +195,9 @@ class Bf16Linear:
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         bias_bf16 = None if bias is None else bias.detach().to(torch.bfloat16)
         self.linear = DenseLinear(weight.detach().to(torch.bfloat16), bias_bf16)
+
+    def rows_for(self, rows: int) -> int:
+        return self.linear.rows_for(rows)
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.linear(x.to(torch.bfloat16)).to(x.dtype)
@@ -203,6 +223,9 @@ class Int8Linear:
         self.weight_t = (w / self.scales[:, None]).round().to(torch.int8).t().contiguous()
         self.bias = None if bias is None else bias.detach().float()
         self._linear = vattn_ops().int8_linear
+
+    def rows_for(self, rows: int) -> int:
+        return rows
 
     def __call__(self, x: Tensor) -> Tensor:
         out = self._linear(x.float(), self.weight_t, self.scales, self.bias)
@@ -290,6 +313,9 @@ class GroupedLinear:
                 "use quantization 'none' or 'bf16'"
             )
         return cls(GroupedWeight.quantize_int8(weight), bias, kernels, bf16_prompts, activation_bits)
+
+    def rows_for(self, rows: int) -> int:
+        return rows
 
     def __call__(self, x: Tensor) -> Tensor:
         w, simd = self.weight, self.kernels
