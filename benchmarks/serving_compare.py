@@ -1,14 +1,16 @@
 """vattn's HTTP server against its peers: vLLM's CPU build, llama.cpp's server, `transformers serve`.
 
-Every system is started on a free loopback port and waited on until /health answers (an idle
-server waits without computing), then warmed up with as many requests at once as the deepest
-level holds, so that a peer that compiles graphs per batch shape (vLLM) has compiled them before
-anything is timed. Then `--rounds` rounds: in each, every level runs on every system in turn,
-so the systems alternate and a slow spell of the machine falls on all of them. A level is driven
-by the streaming client of benchmarks.serving_load: a fixed number of requests in flight, seeded
-prompts of 32-512 words (one token each), fresh for every level of every round but the same for every
-system, greedy, 64 output tokens with EOS ignored, on /v1/completions (every peer has it). vattn
-and vLLM get the same KV space (measure.peers.KV_SPACE_GIB).
+Every system is started on a free loopback port and waited on until /health answers, then warmed
+up with as many requests at once as the deepest level holds, so that a peer that compiles graphs
+per batch shape (vLLM) has compiled them before anything is timed. Then `--rounds` rounds: in
+each, every level runs on every system in turn, so the systems alternate and a slow spell of the
+machine falls on all of them. While one system runs a level the others are paused (SIGSTOP): idle,
+vLLM's server still took 2-3% of the CPU during vattn's levels, where the measured server computes
+on both of the machine's two cores. A level is driven by the streaming client of
+benchmarks.serving_load: a fixed number of requests in flight, seeded prompts of 32-512 words (one
+token each), fresh for every level of every round but the same for every system, greedy, 64 output
+tokens with EOS ignored, on /v1/completions (every peer has it). vattn and vLLM get the same KV
+space (measure.peers.KV_SPACE_GIB).
 
 Reported per system, level and round: output tokens/s, TTFT and TPOT p50/p99, and the peak RSS of
 the server's whole process tree (its session, polled from /proc; pages shared between processes
@@ -57,7 +59,7 @@ from measure.results import (
     save_figure,
     write_results,
 )
-from measure.servers import TreeRss, server_share, server_ticks, started
+from measure.servers import TreeRss, pause_session, server_share, server_ticks, started
 from measure.streams import Timing, http_client, one_request, summarize
 from measure.workloads import random_word_prompts
 from serving.default_model import DEFAULT_MODEL, cache_dir, default_model_dir
@@ -407,6 +409,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             servers += [server] if server else []
         turns = [(level, server) for level in levels for server in servers]
         for (round_number, concurrency, level_prompts), server in tqdm(turns, desc="levels x systems x rounds"):
+            for each in servers:
+                pause_session(each.process.pid, each is not server)
             try:
                 rows.append(measure_level(server, concurrency, level_prompts, round_number, args.output_tokens))
             except Exception as error:

@@ -69,8 +69,18 @@ class TreeRss:
         self._thread.join()
 
 
+def pause_session(sid: int, paused: bool) -> None:
+    """SIGSTOP (or SIGCONT) to every process of session `sid`: a benchmark pauses the servers it is
+    not measuring, whose idle timers and pollers would otherwise take the measured one's CPU."""
+    for pid, _, _ in session_members(sid):
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
+
 def stop_session(process: subprocess.Popen[bytes], grace: float = 30.0) -> None:
-    """SIGTERM to the server's process group, SIGKILL to whatever is left after `grace` seconds."""
+    """SIGTERM to the server's process group (continued first: a paused one would not act on it),
+    SIGKILL to whatever is left after `grace` seconds."""
+    pause_session(process.pid, False)
     try:
         os.killpg(process.pid, signal.SIGTERM)
     except ProcessLookupError:
