@@ -87,7 +87,7 @@ $(TORCH_ENV): $(TORCH_STAMP)
 build/ops/torch_headers.h.gch: native/torch_headers.h Makefile $(TORCH_ENV)
 	. ./$(TORCH_ENV); c++ $(OPS_FLAGS) -x c++-header -o $@ $<
 
-build/ops/%.o: native/%.cpp native/narrow_floats.h native/fast_exp.h native/widest_simd.h native/float_tiles.h native/paired_weight.h native/attention_avx2.h native/attention_avx512.h native/attention_bf16_dots.h native/attention_int8_dots.h native/brgemm_attention.h native/vnni_pairs.h build/ops/torch_headers.h.gch Makefile $(TORCH_ENV)
+build/ops/%.o: native/%.cpp native/narrow_floats.h native/fast_exp.h native/widest_simd.h native/float_tiles.h native/paired_weight.h native/attention_avx2.h native/attention_avx512.h native/attention_bf16_dots.h native/attention_int8_dots.h native/brgemm_attention.h native/vnni_pairs.h native/prefetch_queue.h build/ops/torch_headers.h.gch Makefile $(TORCH_ENV)
 	. ./$(TORCH_ENV); c++ $(OPS_FLAGS) -Ibuild/ops -Inative -include torch_headers.h -c -o $@ $<
 
 $(filter-out build/ops/ragged_attention.o,$(OPS_OBJECTS)): | $(SETUP_FIRST)

@@ -72,7 +72,9 @@ struct Avx512Math {
       for (int64_t l = 0; l < L; ++l)
         for (int64_t c = 0; c < kChunks; ++c) held[l][c] = _mm512_loadu_ps(q[l] + c * kStep);
     __m512 quads[L][4];
+    PrefetchQueue* const queue = prefetch_queue;
     for (int64_t g = 0; g < 4; ++g) {
+      prefetch_as_read(queue, 4 * dim * static_cast<int64_t>(sizeof(T)));
       const T* rows[4];
       for (int64_t i = 0; i < 4; ++i) rows[i] = 4 * g + i < n ? keys[4 * g + i] : reinterpret_cast<const T*>(kZeroRow);
       __m512 sums[L][4];
@@ -237,7 +239,9 @@ struct Avx512Math {
     __m512 a[L][V];
     for (int64_t l = 0; l < L; ++l)
       for (int64_t v = 0; v < V; ++v) a[l][v] = _mm512_loadu_ps(acc[l] + d + 16 * v);
+    PrefetchQueue* const queue = prefetch_queue;
     for (int64_t j = 0; j < n; ++j) {
+      prefetch_as_read(queue, 64 * V);
       __m512 row[V];
       for (int64_t v = 0; v < V; ++v) row[v] = _mm512_loadu_ps(values[j] + d + 16 * v);
       for (int64_t l = 0; l < L; ++l) {

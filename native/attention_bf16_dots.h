@@ -176,7 +176,9 @@ struct Avx512Bf16Math : Avx512Math {
         a[l][c][1] = _mm512_permutex2var_ps(lo, high_columns, hi);
       }
     const auto* zeros = reinterpret_cast<const c10::BFloat16*>(kZeroRow);
+    PrefetchQueue* const queue = prefetch_queue;
     for (int64_t k = 0; 2 * k < n; ++k) {
+      prefetch_as_read(queue, 2 * 32 * C * static_cast<int64_t>(sizeof(c10::BFloat16)));
       const c10::BFloat16* even = values[2 * k];
       const c10::BFloat16* odd = 2 * k + 1 < n ? values[2 * k + 1] : zeros;
       __m512bh rows[C][2];

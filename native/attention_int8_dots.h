@@ -15,6 +15,7 @@
 #pragma once
 
 struct Avx512Int8Math : Avx512Math {
+  static constexpr int64_t kQParamsBytes = 2 * sizeof(float);  // a row's (scale, midpoint)
   static bool fits(int64_t dim) { return dim % 32 == 0 && dim <= Avx512Math::kMaxDim; }
 
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static __m512 widen16(const c10::BFloat16* p) {
@@ -62,7 +63,9 @@ struct Avx512Int8Math : Avx512Math {
       for (int64_t l = 0; l < L; ++l)
         for (int64_t c = 0; c < C; ++c) held[l][c] = _mm512_loadu_si512(q[l] + 32 * c);
     __m512i quads[L][4];
+    PrefetchQueue* const queue = prefetch_queue;
     for (int64_t g = 0; g < 4; ++g) {
+      prefetch_as_read(queue, 4 * (dim + kQParamsBytes));
       __m512i sums[L][4];
       for (int64_t l = 0; l < L; ++l)
         for (int64_t i = 0; i < 4; ++i) sums[l][i] = _mm512_setzero_si512();
@@ -130,7 +133,9 @@ struct Avx512Int8Math : Avx512Math {
     for (int64_t l = 0; l < L; ++l)
       for (int64_t c = 0; c < C; ++c) a[l][c][0] = a[l][c][1] = _mm512_setzero_si512();
     const auto* zeros = reinterpret_cast<const int8_t*>(kZeroRow);
+    PrefetchQueue* const queue = prefetch_queue;
     for (int64_t k = 0; 2 * k < n; ++k) {
+      prefetch_as_read(queue, 2 * (32 * C + kQParamsBytes));
       const int8_t* even = values[2 * k];
       const int8_t* odd = 2 * k + 1 < n ? values[2 * k + 1] : zeros;
       __m512i rows[C][2];

@@ -38,6 +38,7 @@
 #include "brgemm_attention.h"
 #include "fast_exp.h"
 #include "narrow_floats.h"
+#include "prefetch_queue.h"
 #include "vnni_pairs.h"
 #include "widest_simd.h"
 
@@ -303,7 +304,11 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
   using Row = std::conditional_t<kPairs, c10::BFloat16, std::conditional_t<kBytes, int8_t, float>>;
   using Query = std::conditional_t<kBytes, int16_t, Row>;
   const int64_t item_count = static_cast<int64_t>(items.size());
+  // The AVX-512 bodies issue the read-ahead lines as they read (prefetch_queue.h); the others get them at once.
+  constexpr bool kTrickle = std::is_base_of_v<Avx512Math, Math>;
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), item_count), 1, [&](int64_t, int64_t) {
+    PrefetchQueue queue;
+    prefetch_queue = kTrickle ? &queue : nullptr;
     std::vector<float> scores, acc, tops, totals, converted(kBlock * dim), row_scales(kBlock), row_midpoints(kBlock);
     std::vector<Query> queries;
     std::vector<float> query_scales, query_sums, value_shifts;
@@ -363,15 +368,26 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
       // Prefetches the whole rows (every kv head's, which sit together) of the n tokens
       // kPrefetchBlocks blocks past jb, once for all kv heads, and an int8 cache's (scale, midpoint) pairs.
       const int64_t token_bytes = kv_heads * dim * static_cast<int64_t>(sizeof(KT));
+      auto prefetch = [&](const void* begin, int64_t bytes) {
+        if constexpr (kTrickle)
+          queue.push(begin, bytes);
+        else
+          for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(static_cast<const char*>(begin) + byte);
+      };
       auto prefetch_ahead = [&](const Rows& rows_of, int64_t jb, int64_t n) {
-        for (int64_t j = jb + kPrefetchBlocks * kBlock, end = j + n; j < end; ++j) {
+        if constexpr (kTrickle) queue.flush();
+        const int64_t first = jb + kPrefetchBlocks * kBlock;
+        for (int64_t j = first; j < first + n; ++j) {
           const Token token = stream_token(rows_of, j);
           if (token.rows == nullptr) break;
-          const auto* row = reinterpret_cast<const char*>((*token.rows)(token.request, 0, token.position));
-          for (int64_t byte = 0; byte < token_bytes; byte += 64) __builtin_prefetch(row + byte);
-          if constexpr (std::is_same_v<KT, int8_t>)
-            __builtin_prefetch(token.rows->row_qparams(token.request, 0, token.position));
+          prefetch((*token.rows)(token.request, 0, token.position), token_bytes);
         }
+        if constexpr (std::is_same_v<KT, int8_t>)
+          for (int64_t j = first; j < first + n; ++j) {
+            const Token token = stream_token(rows_of, j);
+            if (token.rows == nullptr) break;
+            prefetch(token.rows->row_qparams(token.request, 0, token.position), kv_heads * 2 * sizeof(float));
+          }
       };
       auto read_qparams = [&](const Rows& rows_of, int64_t kv, int64_t jb, int64_t n) {
         for (int64_t j = 0; j < n; ++j) {
@@ -470,6 +486,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
           for (int64_t d = 0; d < dim; ++d) dst[d] = narrow<QT>(acc[lane * dim + d] * inv);
         }
     }
+    prefetch_queue = nullptr;
   });
 
   if (partial_lanes == 0) return;
