@@ -270,11 +270,35 @@ def kv_precision(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def attention_vs_vllm(results: dict[str, Any]) -> str:
+    """vattn's attention kernel against vLLM's (its AMX one and its AVX-512 `vec`), per shape:
+    milliseconds per pass over the layers, and vattn's speed relative to each, median (range)."""
+    machine = results["machine"]
+    lines = [
+        f"{machine['cpu_model']}, {machine['nproc']} cores; commit {machine['git_commit'][:7]}; `{results['command']}`",
+        "",
+        "| batch x context x new tokens | vattn | vLLM AMX | vattn / vLLM AMX | vLLM AVX-512 | vattn / vLLM AVX-512 |",
+        "|---|---|---|---|---|---|",
+    ]
+    by_shape: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in results["summary"]:
+        by_shape.setdefault(row["shape"], {})[row["peer"]] = row
+    for shape, peers in by_shape.items():
+        amx, vec = peers["vllm-amx"], peers["vllm-vec"]
+        lines.append(
+            f"| {shape.replace('x', ' x ')} | {amx['vattn_ms']:.1f} | {amx['peer_ms']:.1f} | {amx['vattn_speed']:.2f}x "
+            f"({amx['min']:.2f}-{amx['max']:.2f}) | {vec['peer_ms']:.1f} | {vec['vattn_speed']:.2f}x "
+            f"({vec['min']:.2f}-{vec['max']:.2f}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "few_rows": few_rows,
     "avx2/stored_rows": stored_rows,
     "avx2/few_rows": few_rows,
     "amx/few_rows": few_rows,
+    "amx/attention_vs_vllm": attention_vs_vllm,
     "amx/offline_compare": offline_compare,
     "amx/offline_compare.ratios": offline_ratios,
     "amx/offline_compare_int8": offline_compare,
