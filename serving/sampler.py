@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,11 +41,14 @@ def sample(
     raw = torch.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None
     errors: dict[int, SamplingError] = _constrain(logits, requests, eos_token_ids)
     _penalize(logits, requests)
-    # Each row's maximum says whether any token is possible (a NaN anywhere makes it NaN: that
-    # row is not possible either), its first maximal index is its greedy token: torch's amax and
-    # numpy's argmax are vectorized, where torch's max(dim) that gives both compares one by one.
-    possible = (logits.amax(dim=-1) > float("-inf")).tolist()
-    greedy = logits.numpy().argmax(axis=1).tolist()
+    # Each row's first maximal index is its greedy token (numpy's argmax is vectorized, where
+    # torch's max(dim) compares one by one), and the value there says whether any token is
+    # possible: -inf when none is, NaN (argmax's pick wherever there is one) when the row's
+    # logits are not finite. One pass over the logits, which at 48 rows are 9 MB.
+    rows = logits.numpy()
+    greedy_ids = rows.argmax(axis=1)
+    possible = (rows[np.arange(len(rows)), greedy_ids] > float("-inf")).tolist()
+    greedy = greedy_ids.tolist()
     for i, request in enumerate(requests):
         if not possible[i] and i not in errors:
             errors[i] = SamplingError(f"no token satisfies every constraint of the request ({_controls(request)})")
