@@ -8,7 +8,7 @@ README.md or benchmarks/README.md; NAME is one of TABLES, each a function of its
 (benchmarks/results/NAME.json; NAME.PART is another table of the same file). Every other table
 with a figure (a decimal, a percentage or a ratio) cites its results files (`results/NAME.*`,
 `.csv` or `.json`) in the lines before it, and each of its numbers is in one of them
-(`unsourced`): as stored, rounded as printed, as a percentage, or as the ratio of two values
+(`benchmarks.figures.unsourced`): as stored, rounded as printed, as a percentage, or as the ratio of two values
 stored under one key. tests/test_tables.py runs both checks (a figure from no file fails them).
 """
 
@@ -21,19 +21,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.figures import unsourced
 from benchmarks.offline_compare import comparisons, round_speeds
 from measure.results import REPO_ROOT, RESULTS_DIR
 from vattn.sizes import MiB
 
 READMES = (REPO_ROOT / "README.md", REPO_ROOT / "benchmarks" / "README.md")
 BLOCK = re.compile(r"(<!-- generated: (\S+) -->\n)(.*?)(<!-- end generated -->)", re.DOTALL)
-CITATION = re.compile(r"results/([\w./-]+?)\.(?:\*|csv|json|png)")
-NUMBER = re.compile(r"(?<![\w.])([+-]?\d[\d,]*(?:\.\d+)?)(%|x)?")
-SCALES = (1, 100, 1e3, 1e-3, 1e-6, 2**-20, 1e-9, 2**-30)
-"""How a stored number may be printed: as is, as a percentage, seconds as ms (or back), bytes as
-MB, MiB, GB or GiB."""
-CITING_LINES = 25
-"""How far before a table its citations are looked for."""
 
 
 def offline_compare(results: dict[str, Any]) -> str:
@@ -338,67 +332,6 @@ def generated(text: str) -> str:
         return match.group(1) + TABLES[name](results) + match.group(4)
 
     return BLOCK.sub(render, text)
-
-
-def stored_numbers(value: Any, key: str = "", found: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
-    """Every number of a results file by the key it is stored under (numbers inside strings, such
-    as a command line, under "text")."""
-    found = {} if found is None else found
-    if isinstance(value, dict):
-        for name, item in value.items():
-            stored_numbers(item, name, found)
-    elif isinstance(value, list):
-        for item in value:
-            stored_numbers(item, key, found)
-    elif isinstance(value, int | float) and not isinstance(value, bool):
-        found.setdefault(key, []).append(float(value))
-    elif isinstance(value, str):
-        found.setdefault("text", []).extend(float(m) for m in re.findall(r"\d+(?:\.\d+)?", value))
-    return found
-
-
-def sourced(figure: str, suffix: str | None, numbers: dict[str, list[float]]) -> bool:
-    """Whether a printed figure is a stored number in one of its `SCALES`, rounded as printed; a
-    ratio (`x`) may also be one stored number over another of the same key."""
-    text = figure.replace(",", "")
-    decimals = len(text.split(".")[1]) if "." in text else 0
-    target = abs(float(text))
-    for values in numbers.values():
-        if suffix == "x":
-            ratios = (a / b for a in values for b in values if b)
-            if any(round(v, decimals) == target for v in [*values, *ratios]):
-                return True
-        elif any(round(abs(v * scale), decimals) == target for v in values for scale in SCALES):
-            return True
-    return False
-
-
-def unsourced(text: str) -> list[str]:
-    """The READMEs' typed tables' figures that are in none of the results files they cite, and the
-    tables with figures that cite none (each as `line N: ...`)."""
-    lines, problems, generating, index = text.splitlines(), [], False, 0
-    while index < len(lines):
-        line = lines[index]
-        generating = line.startswith("<!-- generated") or (generating and not line.startswith("<!-- end generated"))
-        if not line.startswith("|") or generating:
-            index += 1
-            continue
-        end = next((i for i in range(index, len(lines)) if not lines[i].startswith("|")), len(lines))
-        # A row's first cell names it (a system, a workload): its numbers are labels, not figures.
-        figures = [m for row in lines[index + 2 : end] for m in NUMBER.finditer(row.split("|", 2)[-1])]
-        cited = dict.fromkeys(CITATION.findall("\n".join(lines[max(0, index - CITING_LINES) : index])))
-        numbers: dict[str, list[float]] = {}
-        for name in cited:
-            if (RESULTS_DIR / f"{name}.json").exists():
-                stored_numbers(json.loads((RESULTS_DIR / f"{name}.json").read_text()), found=numbers)
-        if not cited and any("." in m.group(1) or m.group(2) for m in figures):
-            problems.append(f"line {index + 1}: a table of figures that cites no results file")
-        elif cited:
-            missing = [m.group(0) for m in figures if not sourced(m.group(1), m.group(2), numbers)]
-            if missing:
-                problems.append(f"line {index + 1}: {', '.join(missing)} in none of {', '.join(cited)}")
-        index = end
-    return problems
 
 
 def main(argv: list[str] | None = None) -> None:

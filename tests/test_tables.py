@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks.tables import BLOCK, READMES, TABLES, generated, unsourced
+from benchmarks.figures import unsourced
+from benchmarks.tables import BLOCK, READMES, TABLES, generated
 
 
 def test_every_generated_table_is_its_results_files() -> None:
