@@ -1,12 +1,13 @@
 """Projections of a few rows, as decode steps of 1-128 requests run them: vattn::tiled_linear on
-its tiled copy of each weight against oneDNN's matmul on its packed one (what DenseLinear would
-run without the tiles), float32 and bf16.
+its tiled copy of each weight against what DenseLinear runs without the tiles (`untiled`:
+oneDNN's matmul on its packed copy; a bf16 weight where oneDNN's bf16 is slower than its float32,
+the weight widened to float32 for each call), float32 and bf16.
 
 The default model's four projections of a layer (QKV 960x576, output 576x576, gate/up 3072x576,
 down 576x1536) for 30 layers, each with its own weights, so that the weights stream from memory
 as in a decode step; one pass runs the four for every layer. The two paths alternate for
 `--rounds` rounds in one process; reported per dtype and row count: each path's best pass per
-round (median of the rounds, ms and weight GB/s) and the ratio of oneDNN's time to the tiles'
+round (median of the rounds, ms and weight GB/s) and the ratio of the untiled path's time to the tiles'
 round by round, its median and range.
 
     python -m benchmarks.few_rows [--rows 1,4,8,16,24,32,48,64,96,128] [--rounds 5] [--threads 2]
@@ -78,7 +79,7 @@ def measure_dtype(dtype: torch.dtype, args: argparse.Namespace) -> list[dict[str
         def onednn(xs: list[torch.Tensor] = xs) -> None:
             for layer in layers:
                 for linear, x in zip(layer, xs, strict=True):
-                    torch.ops.mkldnn._linear_pointwise(x, linear.weight, None, "none", [], "")
+                    linear.untiled(x)
 
         def tiled(xs: list[torch.Tensor] = xs) -> None:
             for layer in layers:

@@ -26,7 +26,8 @@ vattn::tiled_linear, not oneDNN)."""
 
 
 def _projections() -> dict[str, Any]:
-    """Runs in the child: each projection once, with its error against float64."""
+    """Runs in the child: each projection once, with its error against float64, and whether bf16's
+    widens to float32 (DenseLinear.widens: no oneDNN line for it)."""
     import torch
 
     from serving.model.linear import TILED_ROWS, Bf16Linear, DenseLinear
@@ -40,11 +41,11 @@ def _projections() -> dict[str, Any]:
         "bfloat16": (DenseLinear(weight.to(torch.bfloat16), None), x.to(torch.bfloat16)),
         "bf16_preset": (Bf16Linear(weight, None), x),
     }
-    errors = {}
+    errors: dict[str, Any] = {}
     for name, (linear, inputs_) in cases.items():
         got = linear(inputs_).double()
         errors[name] = float((got - reference).norm() / reference.norm())
-    return errors
+    return {"errors": errors, "bf16_widened": cases["bfloat16"][0].widens}
 
 
 def report() -> dict[str, Any]:
@@ -67,8 +68,10 @@ def report() -> dict[str, Any]:
         if ",inner_product," in line:
             dtype = "bfloat16" if "src:bf16" in line else "float32"
             implementations[dtype] = line.split(",inner_product,", 1)[1].split(",", 1)[0]
-    errors = json.loads(lines[-1])
-    return {"isa": isa, "implementations": implementations, "relative_errors": errors}
+    child = json.loads(lines[-1])
+    if child["bf16_widened"]:
+        implementations["bfloat16"] = "the weight widened to float32, F.linear (DenseLinear.widens)"
+    return {"isa": isa, "implementations": implementations, "relative_errors": child["errors"]}
 
 
 @functools.cache

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from serving.config import QUANTIZATIONS
-from serving.model.cpu_features import bf16_available, cpu_kernels, int8_activations_fast, vnni_available
+from serving.model.cpu_features import (
+    bf16_available,
+    bf16_matmul_fast,
+    cpu_kernels,
+    int8_activations_fast,
+    vnni_available,
+)
 from serving.model.linear import INT16_ROWS, DenseLinear, GroupedLinear, fused, make_linear, paired_kernels
 from serving.model.runner import RescoredHead, largest_indices, lm_head
 from serving.model.weights import INPUTS_PER_SCALE, GroupedWeight, PairedWeight
@@ -68,12 +74,14 @@ def test_float32_projections_run_on_onednn_packed_weights() -> None:
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no native bf16 here")
 def test_bfloat16_projections_run_on_onednn_packed_weights() -> None:
     """A bf16 model's projections and the bf16 preset's: the weight packed once for oneDNN's bf16
-    matmul (AVX-512 BF16, AMX), F.linear's product in bf16 (to bf16's rounding: the sums may
-    run in another order)."""
+    matmul (AVX-512 BF16, AMX), or where that matmul is slower than float32's (an Intel Xeon
+    without AMX) kept as loaded and widened to float32 per call; F.linear's product in bf16 (to
+    bf16's rounding: the sums may run in another order)."""
     weight, bias = torch.randn(48, 96), torch.randn(48)
     dense = make_linear(weight.to(torch.bfloat16), bias.to(torch.bfloat16), "none")
     preset = make_linear(weight, bias, "bf16")
-    assert dense.weight.is_mkldnn and preset.linear.weight.is_mkldnn  # type: ignore[attr-defined]
+    for linear in (dense, preset.linear):  # type: ignore[attr-defined]
+        assert linear.weight.is_mkldnn if bf16_matmul_fast() else linear.widens and not linear.packed
     for shape in [(0, 96), (1, 96), (16, 96), (100, 96), (2, 3, 96)]:
         x = torch.randn(shape)
         expected = torch.nn.functional.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16), bias.to(torch.bfloat16))

@@ -99,6 +99,25 @@ def bf16_native() -> bool:
     return fast and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def bf16_matmul_fast() -> bool:
+    """Whether oneDNN's bf16 matmul outruns its float32 one on prompts here (bf16_native, and
+    AMX, or a CPU not Intel's: AMD's Zen 4 about doubles float32's rate). An Intel Xeon whose
+    AMX is absent or hidden (or capped by `ONEDNN_MAX_CPU_ISA`) runs bf16 on AVX512_BF16's dot
+    products at 0.55-0.65x its float32 FMAs (results/avx512_intel/prompt_rows.*), and its bf16
+    weights multiply faster widened to float32 (serving.model.linear.DenseLinear)."""
+    return bf16_native() and ("amx_bf16" in usable_flags() or cpu_vendor() != "GenuineIntel")
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's `vendor_id` (`GenuineIntel`, `AuthenticAMD`; empty where it has none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("vendor_id")), "")
+
+
 def amx_bf16_available() -> bool:
     """Whether oneDNN multiplies bfloat16 on AMX here (bf16_native, AMX's bf16 under
     `ONEDNN_MAX_CPU_ISA`): where its matmul costs about the same at 1 and 128 rows."""

@@ -53,6 +53,7 @@ from serving.config import QUANTIZATIONS
 from serving.model.cpu_features import (
     amx_bf16_available,
     bf16_available,
+    bf16_matmul_fast,
     cpu_kernels,
     int8_activations_fast,
     vnni_available,
@@ -109,10 +110,20 @@ up to about 8 rows (1.75x at 1, 1.23x at 4, level at 8; 0.51x at 16, 0.19x at 64
 results/amx/few_rows.*)."""
 
 
+WIDENED_TILED_ROWS = 128
+"""TILED_ROWS for bf16 where oneDNN's bf16 matmul is slower than its float32 one
+(cpu_features.bf16_matmul_fast: an Intel Xeon without AMX): there the tiles run level with
+oneDNN's bf16 at 96-128 rows (results/avx512_intel/few_rows.*), and calls of more rows widen
+the weight to float32 once a call and multiply in float32 (DenseLinear)."""
+
+
 def tiled_rows(dtype: torch.dtype) -> int:
-    """TILED_ROWS for `dtype` on this CPU (AMX_BF16_TILED_ROWS for bf16 where AMX's bf16 is usable)."""
+    """TILED_ROWS for `dtype` on this CPU (AMX_BF16_TILED_ROWS for bf16 where AMX's bf16 is
+    usable, WIDENED_TILED_ROWS where bf16 prompts widen to float32)."""
     if dtype == torch.bfloat16 and amx_bf16_available():
         return AMX_BF16_TILED_ROWS
+    if dtype == torch.bfloat16 and not bf16_matmul_fast():
+        return WIDENED_TILED_ROWS
     return TILED_ROWS[dtype]
 
 
@@ -146,13 +157,21 @@ class DenseLinear:
     A packed weight that vattn::tiled_linear runs (`tiles_run`) is also kept in its tiles, for
     calls of up to tiled_rows() rows (decode steps of few requests): they are bound by reading the
     weight, which it streams faster than oneDNN's matmul and without its ~20 us a call. A second
-    copy of the weight's bytes buys it."""
+    copy of the weight's bytes buys it.
+
+    A bf16 weight in tiles where oneDNN's bf16 matmul is slower than its float32 one
+    (`bf16_matmul_fast`) is kept as loaded instead of packed: calls of more rows widen it to
+    float32 (one pass over 2 bytes a weight) and multiply the widened activations in float32,
+    rounding the product to bf16 (the same sums as bf16's matmul, which accumulates in float32)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         self.bias = bias
         self.packed = onednn_packs(weight)
         self.tiles: Tensor | None = None
-        if self.packed and tiles_run(weight):
+        self.widens = self.packed and weight.dtype == torch.bfloat16 and tiles_run(weight) and not bf16_matmul_fast()
+        if self.widens:
+            self.packed, self.float_bias = False, None if bias is None else bias.float()
+        if (self.packed or self.widens) and tiles_run(weight):
             out, inputs = weight.shape
             step = 2 if weight.dtype == torch.bfloat16 else 1
             self.tiles = weight.reshape(out // TILE, TILE, inputs // step, step).permute(0, 2, 1, 3).contiguous()
@@ -172,11 +191,17 @@ class DenseLinear:
     def __call__(self, x: Tensor) -> Tensor:
         if self.tiles is not None and x.dim() == 2 and x.shape[0] <= self.tiled_rows and x.dtype == self.tiles.dtype:
             return self._tiled_linear(x.contiguous(), self.tiles, self.tiles_bias)
+        return self.untiled(x)
+
+    def untiled(self, x: Tensor) -> Tensor:
+        """The product off the tiles: oneDNN's packed matmul, the widened weight's, or F.linear's."""
         if self.packed:
             rows = x.shape[0]
             if x.dim() == 2 and (padded := padded_rows(rows)) != rows:
                 x = with_rows(x, padded)
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
+        if self.widens:
+            return F.linear(x.float(), self.weight.float(), self.float_bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
 
