@@ -10,7 +10,7 @@ from checks import printed_under
 
 from serving.model import linear as linear_module
 from serving.model.cpu_features import bf16_available, cpu_flags, cpu_kernels
-from serving.model.linear import WIDENED_TILED_ROWS, DenseLinear, padded_rows, tiled_rows
+from serving.model.linear import DenseLinear, padded_rows, tiled_rows
 from vattn.ops import vattn_ops
 
 DTYPES = [torch.float32] * (cpu_kernels() != "scalar") + [torch.bfloat16] * bf16_available()
@@ -74,12 +74,12 @@ def test_dense_projections_of_few_rows_run_on_tiles_and_agree_with_onednn(dtype:
 def test_bf16_prompts_widened_to_float32_give_the_product(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where oneDNN's bf16 matmul is slower than its float32 (bf16_matmul_fast false; forced here
     on any CPU), a bf16 weight stays as loaded beside its tiles, and calls of more than
-    WIDENED_TILED_ROWS rows multiply it widened to float32: bf16's product, at the rows asked."""
+    TILED_ROWS rows multiply it widened to float32: bf16's product, at the rows asked."""
     monkeypatch.setattr(linear_module, "bf16_matmul_fast", lambda: False)
     weight, bias = torch.randn(48, 96).bfloat16(), torch.randn(48).bfloat16()
     linear = DenseLinear(weight, bias)
-    assert linear.widens and not linear.packed and linear.tiles is not None and linear.tiled_rows == WIDENED_TILED_ROWS
-    for rows in [1, WIDENED_TILED_ROWS, WIDENED_TILED_ROWS + 1, 300]:
+    assert linear.widens and not linear.packed and linear.tiles is not None
+    for rows in [1, tiled_rows(torch.bfloat16), tiled_rows(torch.bfloat16) + 1, 300]:
         x = torch.randn(rows, 96).bfloat16()
         expected = (x.double() @ weight.double().T + bias.double()).bfloat16()
         assert linear.rows_for(rows) == rows
@@ -111,15 +111,12 @@ def test_avx2_body_is_the_float32_sum_and_refuses_bf16() -> None:
 def test_bf16_decode_rows_leave_the_tiles_for_amx_where_onednn_has_it(cap: str | None) -> None:
     """On AMX oneDNN's bf16 matmul beats the tiles from 16 rows on (results/amx/few_rows.*), so
     bf16 calls of more than AMX_BF16_TILED_ROWS go to it; below AMX (the CPU has none, or
-    ONEDNN_MAX_CPU_ISA caps oneDNN under it) they keep the tiles up to TILED_ROWS, or
-    WIDENED_TILED_ROWS where oneDNN's bf16 is slower than its float32 (an Intel Xeon without AMX)."""
+    ONEDNN_MAX_CPU_ISA caps oneDNN under it) they keep the tiles up to TILED_ROWS."""
     script = (
         "import torch\nfrom serving.model.cpu_features import usable_flags\n"
-        "from serving.model.cpu_features import bf16_matmul_fast\n"
-        "from serving.model.linear import AMX_BF16_TILED_ROWS, TILED_ROWS, WIDENED_TILED_ROWS, tiled_rows\n"
+        "from serving.model.linear import AMX_BF16_TILED_ROWS, TILED_ROWS, tiled_rows\n"
         "amx = 'amx_bf16' in usable_flags()\n"
-        "fast = TILED_ROWS[torch.bfloat16] if bf16_matmul_fast() else WIDENED_TILED_ROWS\n"
-        "print(amx, tiled_rows(torch.bfloat16) == (AMX_BF16_TILED_ROWS if amx else fast))\n"
+        "print(amx, tiled_rows(torch.bfloat16) == (AMX_BF16_TILED_ROWS if amx else TILED_ROWS[torch.bfloat16]))\n"
         "print(tiled_rows(torch.float32) == TILED_ROWS[torch.float32])"
     )
     words = printed_under({"ONEDNN_MAX_CPU_ISA": cap} if cap else {}, script)
