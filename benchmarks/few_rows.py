@@ -84,7 +84,7 @@ def measure_dtype(dtype: torch.dtype, args: argparse.Namespace) -> list[dict[str
         def tiled(xs: list[torch.Tensor] = xs) -> None:
             for layer in layers:
                 for linear, x in zip(layer, xs, strict=True):
-                    torch.ops.vattn.tiled_linear(x, linear.tiles, None)
+                    torch.ops.vattn.tiled_linear(x, linear.tiles, None, linear.widens)
 
         times: dict[str, list[float]] = {"onednn": [], "tiles": []}
         for _ in range(args.rounds):

@@ -36,6 +36,10 @@
 #include <immintrin.h>
 #endif
 
+// GCC 12's AVX-512 intrinsics headers trip these (as in ragged_attention.cpp).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
 namespace {
 
 constexpr int64_t kTile = 16;
@@ -47,10 +51,15 @@ constexpr int64_t kAheadBytes = 16 << 10;
 #define TILED __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 // Tiles t to t + N - 1 of the output for M rows of T: acc[n][m] holds row m's 16 outputs of
-// tile t + n. `x` holds each row's steps as 32-bit words (a float, or a bf16 pair).
-template <int64_t N, int64_t M, typename T>
+// tile t + n. `x` holds each row's steps as 32-bit words (a float, or a bf16 pair), or where
+// Widen (bf16 only) each row's inputs as floats: the tile's bf16 pairs are widened to two float
+// vectors in registers and multiplied by FMAs, for CPUs whose vdpbf16ps runs at less than their
+// FMAs' rate (an Intel Xeon without AMX: serving.model.cpu_features.bf16_matmul_fast; there
+// 1.06-1.17x vdpbf16ps at 32-96 rows, 0.85-0.95x at 1-16, where the stream binds).
+template <int64_t N, int64_t M, typename T, bool Widen>
 TILED void tiles(const uint32_t* x, int64_t steps, const T* weight, const float* bias, T* out, int64_t out_row,
                  int64_t t) {
+  const int64_t x_row = Widen ? 2 * steps : steps;  // 32-bit words of one row of x
   constexpr int64_t kVector = 64 / sizeof(T);  // a tile's values for one step
   const T* w = weight + t * steps * kVector;
   __m512 acc[N][M];
@@ -64,8 +73,22 @@ TILED void tiles(const uint32_t* x, int64_t steps, const T* weight, const float*
       _mm_prefetch(reinterpret_cast<const char*>(vector) + kAheadBytes, _MM_HINT_T0);
       v[n] = _mm512_loadu_ps(vector);
     }
+    if constexpr (Widen) {
+      __m512 even[N], odd[N];  // each pair's first and second weight as floats
+      for (int64_t n = 0; n < N; ++n) {
+        even[n] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(v[n]), 16));
+        odd[n] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[n]), _mm512_set1_epi32(~0xFFFF)));
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const float* inputs = reinterpret_cast<const float*>(x) + m * x_row + 2 * s;
+        const __m512 first = _mm512_set1_ps(inputs[0]), second = _mm512_set1_ps(inputs[1]);
+        for (int64_t n = 0; n < N; ++n)
+          acc[n][m] = _mm512_fmadd_ps(second, odd[n], _mm512_fmadd_ps(first, even[n], acc[n][m]));
+      }
+      continue;
+    }
     for (int64_t m = 0; m < M; ++m) {
-      const uint32_t input = x[m * steps + s];  // broadcast from memory into the multiply-adds
+      const uint32_t input = x[m * x_row + s];  // broadcast from memory into the multiply-adds
       for (int64_t n = 0; n < N; ++n) {
         if constexpr (std::is_same_v<T, float>)
           acc[n][m] = _mm512_fmadd_ps(_mm512_set1_ps(std::bit_cast<float>(input)), v[n], acc[n][m]);
@@ -85,31 +108,33 @@ TILED void tiles(const uint32_t* x, int64_t steps, const T* weight, const float*
     }
 }
 
-template <int64_t N, int64_t M, typename T>
+template <int64_t N, int64_t M, typename T, bool Widen>
 void run(int64_t rows, const uint32_t* x, int64_t steps, const T* weight, const float* bias, T* out, int64_t out_row,
          int64_t t) {
   if constexpr (M > 1)
-    if (rows < M) return run<N, M - 1, T>(rows, x, steps, weight, bias, out, out_row, t);
-  tiles<N, M, T>(x, steps, weight, bias, out, out_row, t);
+    if (rows < M) return run<N, M - 1, T, Widen>(rows, x, steps, weight, bias, out, out_row, t);
+  tiles<N, M, T, Widen>(x, steps, weight, bias, out, out_row, t);
 }
 
 // Tiles [begin, end) for `count` rows, each tile (or pair) read from memory once and from cache
 // for the rows' next blocks: one tile at a time in blocks of 16 rows; or, past 16 float32 rows,
 // where the multiply-adds rather than the stream bound it, two tiles at a time in blocks of 12
-// (two weight vectors per broadcast input; 1.1-1.2x at 32-64 rows, and no faster for bf16).
-template <typename T>
+// (two weight vectors per broadcast input; 1.1-1.2x at 32-64 rows, and no faster for vdpbf16ps).
+template <typename T, bool Widen>
 void tile_range(int64_t count, const uint32_t* x, int64_t steps, const T* weight, const float* bias, T* out,
                 int64_t out_row, int64_t begin, int64_t end) {
+  const int64_t x_row = Widen ? 2 * steps : steps;
   int64_t t = begin;
-  if constexpr (std::is_same_v<T, float>)
+  if constexpr (std::is_same_v<T, float> || Widen)
     if (count > kRows)
       for (; t + 1 < end; t += 2)
         for (int64_t r = 0; r < count; r += kPairRows)
-          run<2, kPairRows, T>(std::min(kPairRows, count - r), x + r * steps, steps, weight, bias, out + r * out_row,
-                               out_row, t);
+          run<2, kPairRows, T, Widen>(std::min(kPairRows, count - r), x + r * x_row, steps, weight, bias,
+                                      out + r * out_row, out_row, t);
   for (; t < end; ++t)
     for (int64_t r = 0; r < count; r += kRows)
-      run<1, kRows, T>(std::min(kRows, count - r), x + r * steps, steps, weight, bias, out + r * out_row, out_row, t);
+      run<1, kRows, T, Widen>(std::min(kRows, count - r), x + r * x_row, steps, weight, bias, out + r * out_row,
+                              out_row, t);
 }
 
 // The AVX2 body, float32 only (bf16 pairs need AVX512_BF16): native/float_tiles.h.
@@ -121,7 +146,8 @@ void tile_range_avx2(int64_t count, const float* x, int64_t steps, const float* 
 }
 #endif
 
-at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        bool widen) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const int64_t step = bf16 ? 2 : 1;
   TORCH_CHECK(x.device().is_cpu() && (bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
@@ -150,12 +176,21 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& weight, const std
     });
     return out;
   }
+  if (bf16 && widen && count > kRows) {  // at up to 16 rows the stream binds, and vdpbf16ps does fewer operations
+    const at::Tensor inputs = x.to(at::kFloat);
+    const auto* rows = reinterpret_cast<const uint32_t*>(inputs.const_data_ptr<float>());
+    at::parallel_for(0, weight.size(0), 1, [&](int64_t begin, int64_t end) {
+      tile_range<c10::BFloat16, true>(count, rows, steps, weight.const_data_ptr<c10::BFloat16>(), b,
+                                      out.mutable_data_ptr<c10::BFloat16>(), out_features, begin, end);
+    });
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "tiled_linear", [&] {
     const auto* rows = reinterpret_cast<const uint32_t*>(x.const_data_ptr<scalar_t>());
     at::parallel_for(0, weight.size(0), 1, [&](int64_t begin, int64_t end) {
       if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>)
-        tile_range<scalar_t>(count, rows, steps, weight.const_data_ptr<scalar_t>(), b, out.mutable_data_ptr<scalar_t>(),
-                             out_features, begin, end);
+        tile_range<scalar_t, false>(count, rows, steps, weight.const_data_ptr<scalar_t>(), b,
+                                    out.mutable_data_ptr<scalar_t>(), out_features, begin, end);
     });
   });
 #else
@@ -166,6 +201,6 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& weight, const std
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(vattn, m) { m.def("tiled_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(vattn, m) { m.def("tiled_linear(Tensor x, Tensor weight, Tensor? bias, bool widen=False) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(vattn, CPU, m) { m.impl("tiled_linear", &tiled_linear); }

@@ -26,15 +26,20 @@ def tiles(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(out // 16, 16, inputs // step, step).permute(0, 2, 1, 3).contiguous()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("dtype", "widen"), [(dtype, False) for dtype in DTYPES] + [(torch.bfloat16, True)] * bf16_available()
+)
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 8, 12, 13, 16, 17, 31, 48, 50])
 @pytest.mark.parametrize("bias", [False, True])
-def test_tiled_product_is_the_float32_sum_of_the_products(dtype: torch.dtype, rows: int, bias: bool) -> None:
+def test_tiled_product_is_the_float32_sum_of_the_products(
+    dtype: torch.dtype, widen: bool, rows: int, bias: bool
+) -> None:
+    """Also bf16 widened to float32 in registers (`widen`: past 16 rows FMAs, not vdpbf16ps)."""
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(80, 96, generator=generator).to(dtype)
     x = torch.randn(rows, 96, generator=generator).to(dtype)
     b = torch.randn(80, generator=generator) if bias else None
-    got = vattn_ops().tiled_linear(x, tiles(weight), b)
+    got = vattn_ops().tiled_linear(x, tiles(weight), b, widen)
     expected = x.double() @ weight.double().T + (b.double() if b is not None else 0)
     assert got.dtype == dtype and got.shape == (rows, 80)
     tolerance = 2**-8 if dtype == torch.bfloat16 else 1e-5

@@ -154,7 +154,8 @@ class DenseLinear:
     A bf16 weight in tiles where oneDNN's bf16 matmul is slower than its float32 one
     (`bf16_matmul_fast`) is kept as loaded instead of packed: calls of more rows widen it to
     float32 (one pass over 2 bytes a weight) and multiply the widened activations in float32,
-    rounding the product to bf16 (the same sums as bf16's matmul, which accumulates in float32)."""
+    rounding the product to bf16 (the same sums as bf16's matmul, which accumulates in float32);
+    and its tiles multiply widened in registers (tiled_linear's `widen`)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         self.bias = bias
@@ -182,7 +183,7 @@ class DenseLinear:
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.tiles is not None and x.dim() == 2 and x.shape[0] <= self.tiled_rows and x.dtype == self.tiles.dtype:
-            return self._tiled_linear(x.contiguous(), self.tiles, self.tiles_bias)
+            return self._tiled_linear(x.contiguous(), self.tiles, self.tiles_bias, self.widens)
         return self.untiled(x)
 
     def untiled(self, x: Tensor) -> Tensor:
