@@ -132,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "layers": LAYERS,
         "threads": args.threads,
         "tiled_rows": {str(dtype).split(".")[1]: tiled_rows(dtype) for dtype in dtypes},
+        "bf16_widened": torch.bfloat16 in dtypes and DenseLinear(probe.bfloat16(), None).widens,
     }
     csv_path, json_path, png_path = write_results(args.out, "few_rows", rows, payload)
     print_table(

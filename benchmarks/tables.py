@@ -204,20 +204,45 @@ def equal_quality(results: dict[str, Any]) -> str:
 
 
 def few_rows(results: dict[str, Any]) -> str:
-    """Few-row projections: vattn::tiled_linear against oneDNN, per dtype and row count (the
-    median of the rounds, and the ratio round by round: median and range)."""
+    """Few-row projections: vattn::tiled_linear against what DenseLinear runs off the tiles
+    (oneDNN; bf16 widened to float32 where the file says so), per dtype and row count (the median
+    of the rounds, and the ratio round by round: median and range)."""
+    machine = results["machine"]
+    widened = results["workload"].get("bf16_widened", False)
+    lines = [
+        f"{machine['cpu_model']}, {machine['nproc']} cores; {results['rounds']} alternating rounds; "
+        f"commit {machine['git_commit'][:7]}; `{results['command']}`",
+        "\n| dtype | rows | off the tiles ms | tiles ms | tiles' GB/s | speed ratio, median (range) "
+        "| DenseLinear takes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        untiled = "widened to float32" if widened and row["dtype"] == "bfloat16" else "oneDNN"
+        lines.append(
+            f"| {row['dtype']} | {row['rows']} | {row['onednn_ms']:.2f} | {row['tiles_ms']:.2f} | "
+            f"{row['tiles_weight_gb_s']:.0f} | {row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
+            f"{'tiles' if row['used'] else untiled} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def prompt_rows(results: dict[str, Any]) -> str:
+    """Prompt-row projections: oneDNN's bf16 matmul, the bf16 weight widened to float32, and
+    float32 weights on oneDNN, per row count (medians of the rounds; speed ratios against bf16's
+    matmul round by round: median and range)."""
     machine = results["machine"]
     lines = [
         f"{machine['cpu_model']}, {machine['nproc']} cores; {results['rounds']} alternating rounds; "
         f"commit {machine['git_commit'][:7]}; `{results['command']}`",
-        "\n| dtype | rows | oneDNN ms | tiles ms | tiles' GB/s | speed ratio, median (range) | DenseLinear takes |",
-        "|---|---|---|---|---|---|---|",
+        "\n| rows | bf16 matmul ms | bf16 widened ms | float32 ms | widened / bf16 matmul | float32 / bf16 matmul |",
+        "|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
         lines.append(
-            f"| {row['dtype']} | {row['rows']} | {row['onednn_ms']:.2f} | {row['tiles_ms']:.2f} | "
-            f"{row['tiles_weight_gb_s']:.0f} | {row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | "
-            f"{'tiles' if row['used'] else 'oneDNN'} |"
+            f"| {row['rows']} | {row['bf16_onednn_ms']:.1f} | {row['bf16_widened_ms']:.1f} | "
+            f"{row['float32_onednn_ms']:.1f} | {row['widened_vs_bf16']:.2f}x ({row['widened_min']:.2f}-"
+            f"{row['widened_max']:.2f}) | {row['float32_vs_bf16']:.2f}x ({row['float32_min']:.2f}-"
+            f"{row['float32_max']:.2f}) |"
         )
     return "\n".join(lines) + "\n"
 
@@ -292,6 +317,12 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "avx2/stored_rows": stored_rows,
     "avx2/few_rows": few_rows,
     "amx/few_rows": few_rows,
+    "avx512_intel/few_rows": few_rows,
+    "avx512_intel/prompt_rows": prompt_rows,
+    "avx512_intel/offline_compare": offline_compare,
+    "avx512_intel/offline_compare.ratios": offline_ratios,
+    "avx512_intel/serving_compare_default": serving_compare,
+    "avx512_intel/serving_compare_default.ratios": serving_ratios,
     "amx/attention_vs_vllm": attention_vs_vllm,
     "amx/offline_compare": offline_compare,
     "amx/offline_compare.ratios": offline_ratios,
