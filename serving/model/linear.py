@@ -113,7 +113,7 @@ results/amx/few_rows.*)."""
 def tiled_rows(dtype: torch.dtype) -> int:
     """TILED_ROWS for `dtype` on this CPU (AMX_BF16_TILED_ROWS for bf16 where AMX's bf16 is usable).
     Where bf16 calls off the tiles widen the weight to float32 (DenseLinear.widens), the tiles
-    win up to TILED_ROWS too (1.16x at 64 rows, 0.91x at 96: results/avx512_intel/few_rows.*)."""
+    win up to TILED_ROWS too (1.34x at 64 rows, level at 96: results/avx512_intel/few_rows.*)."""
     if dtype == torch.bfloat16 and amx_bf16_available():
         return AMX_BF16_TILED_ROWS
     return TILED_ROWS[dtype]
