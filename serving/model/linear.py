@@ -2,10 +2,12 @@
 
 - `none`: weights as loaded; float32, and bfloat16 where oneDNN runs it natively (AVX-512
   BF16 or AMX), run on the CPU on oneDNN's matmul with each weight packed once for it in
-  oneDNN's blocked layout (DenseLinear), about 2x torch's F.linear (MKL) on this AMD CPU.
+  oneDNN's blocked layout (DenseLinear), about 2x torch's F.linear (MKL) on this AMD CPU. On an
+  Intel CPU without AMX, where oneDNN's bf16 is slower than its float32, bf16 weights are
+  multiplied widened to float32 instead (DenseLinear.widens).
 - `bf16`: weights stored in bfloat16, packed for oneDNN the same way, and multiplied in bf16
   (fp32 accumulation), the activations converted per call; half of fp32's weight bytes, and
-  on CPUs with AVX-512 BF16 about twice fp32's speed (AMX: oneDNN's AMX kernels). The rest of
+  on AMD CPUs with AVX-512 BF16 about twice fp32's speed (AMX: oneDNN's AMX kernels). The rest of
   the model (norms, attention, KV) stays in the model's dtype, and the LM head runs in float32
   (serving.model.runner.RescoredHead; a bfloat16 model's too, on the CPU).
 - `int8`: weights as symmetric int8 with one scale per output channel, activations
