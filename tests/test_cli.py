@@ -126,8 +126,7 @@ def test_serve_logs_ready_and_answers_on_loopback(kv_cache: str, announced: str)
         assert any(f"2 slots, 32 MiB KV budget, {kv_cache} KV cache, {announced}" in line for line in log), log
         chosen = EngineConfig(kv_cache=kv_cache)  # dtype auto, as the server resolves it on this CPU
         kv = str(chosen.kv_torch_dtype).removeprefix("torch.")
-        projections = "as the weights" if chosen.quantization == "none" else chosen.quantization  # gguf: its blocks
-        assert any(f"({chosen.dtype}, {kv} KV, projections {projections}" in line for line in log), log
+        assert any(f"({chosen.dtype}, {kv} KV, projections {chosen.projections}," in line for line in log), log
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401  # the key came from the env
         completion = httpx.post(

@@ -113,7 +113,7 @@ async def _announce_ready(engine: AsyncEngine, model_name: str, settings: Server
             settings.port,
             config.dtype,
             str(config.kv_torch_dtype).removeprefix("torch."),
-            "as the weights" if config.quantization == "none" else config.quantization,
+            config.projections,
             config.max_slots,
             config.kv_budget // MiB,
             cache,
