@@ -50,15 +50,19 @@ def onednn_cap() -> int | None:
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none); read
-    once per process, not once per projection."""
+def cpuinfo_field(name: str) -> str:
+    """/proc/cpuinfo's first `name` line's value (empty where it has none); read once per
+    process and field, not once per projection."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return frozenset(flags)
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(name)), "")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none)."""
+    return frozenset(cpuinfo_field("flags").split())
 
 
 def flags_under(flags: frozenset[str], cap: int | None) -> frozenset[str]:
@@ -108,14 +112,9 @@ def bf16_matmul_fast() -> bool:
     return bf16_native() and ("amx_bf16" in usable_flags() or cpu_vendor() != "GenuineIntel")
 
 
-@functools.cache
 def cpu_vendor() -> str:
     """/proc/cpuinfo's `vendor_id` (`GenuineIntel`, `AuthenticAMD`; empty where it has none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("vendor_id")), "")
+    return cpuinfo_field("vendor_id")
 
 
 def amx_bf16_available() -> bool:
