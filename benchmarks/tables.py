@@ -319,6 +319,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "amx/few_rows": few_rows,
     "avx512_intel/few_rows": few_rows,
     "avx512_intel/prompt_rows": prompt_rows,
+    "avx512_intel/quality": quality,
     "avx512_intel/offline_compare": offline_compare,
     "avx512_intel/offline_compare.ratios": offline_ratios,
     "avx512_intel/serving_compare_default": serving_compare,
