@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.model.cpu_features import bf16_matmul_fast, bf16_native, cpu_kernels
+from serving.model.cpu_features import bf16_native, bf16_widened, cpu_kernels
 from serving.model.gguf_weights import has_stored_blocks
 from vattn.backends.host import max_map_count
 from vattn.config import DTYPES, KVCacheConfig
@@ -230,6 +230,6 @@ class EngineConfig:
         """How the projections multiply, as the server announces it: bf16 weights widened to
         float32 where oneDNN's bf16 matmul is the slower (serving.model.linear.DenseLinear.widens)."""
         bf16_weights = self.quantization == "bf16" or (self.quantization == "none" and self.dtype == "bfloat16")
-        if bf16_weights and self.backend == "host" and bf16_native() and not bf16_matmul_fast():
+        if bf16_weights and self.backend == "host" and bf16_widened():
             return "bf16 weights multiplied in float32 (this CPU's bf16 matmul is the slower)"
         return "as the weights" if self.quantization == "none" else self.quantization

@@ -11,7 +11,7 @@ import torch
 from serving.config import QUANTIZATIONS
 from serving.model.cpu_features import (
     bf16_available,
-    bf16_matmul_fast,
+    bf16_widened,
     cpu_kernels,
     int8_activations_fast,
     vnni_available,
@@ -81,7 +81,7 @@ def test_bfloat16_projections_run_on_onednn_packed_weights() -> None:
     dense = make_linear(weight.to(torch.bfloat16), bias.to(torch.bfloat16), "none")
     preset = make_linear(weight, bias, "bf16")
     for linear in (dense, preset.linear):  # type: ignore[attr-defined]
-        assert linear.weight.is_mkldnn if bf16_matmul_fast() else linear.widens and not linear.packed
+        assert linear.widens and not linear.packed if bf16_widened() else linear.weight.is_mkldnn
     for shape in [(0, 96), (1, 96), (16, 96), (100, 96), (2, 3, 96)]:
         x = torch.randn(shape)
         expected = torch.nn.functional.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16), bias.to(torch.bfloat16))

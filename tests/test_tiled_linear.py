@@ -77,10 +77,10 @@ def test_dense_projections_of_few_rows_run_on_tiles_and_agree_with_onednn(dtype:
 
 @pytest.mark.skipif(not bf16_available(), reason="bf16 tiles need AVX512_BF16")
 def test_bf16_prompts_widened_to_float32_give_the_product(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where oneDNN's bf16 matmul is slower than its float32 (bf16_matmul_fast false; forced here
+    """Where oneDNN's bf16 matmul is slower than its float32 (bf16_widened true; forced here
     on any CPU), a bf16 weight stays as loaded beside its tiles, and calls of more than
     TILED_ROWS rows multiply it widened to float32: bf16's product, at the rows asked."""
-    monkeypatch.setattr(linear_module, "bf16_matmul_fast", lambda: False)
+    monkeypatch.setattr(linear_module, "bf16_widened", lambda: True)
     weight, bias = torch.randn(48, 96).bfloat16(), torch.randn(48).bfloat16()
     linear = DenseLinear(weight, bias)
     assert linear.widens and not linear.packed and linear.tiles is not None

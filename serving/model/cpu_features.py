@@ -112,6 +112,12 @@ def bf16_matmul_fast() -> bool:
     return bf16_native() and ("amx_bf16" in usable_flags() or cpu_vendor() != "GenuineIntel")
 
 
+def bf16_widened() -> bool:
+    """Whether bf16 weights multiply widened to float32 here: the CPU multiplies bf16 natively,
+    but oneDNN's bf16 matmul is not the fast one (bf16_native, not bf16_matmul_fast)."""
+    return bf16_native() and not bf16_matmul_fast()
+
+
 def cpu_vendor() -> str:
     """/proc/cpuinfo's `vendor_id` (`GenuineIntel`, `AuthenticAMD`; empty where it has none)."""
     return cpuinfo_field("vendor_id")

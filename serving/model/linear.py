@@ -55,7 +55,7 @@ from serving.config import QUANTIZATIONS
 from serving.model.cpu_features import (
     amx_bf16_available,
     bf16_available,
-    bf16_matmul_fast,
+    bf16_widened,
     cpu_kernels,
     int8_activations_fast,
     vnni_available,
@@ -154,7 +154,7 @@ class DenseLinear:
     copy of the weight's bytes buys it.
 
     A bf16 weight in tiles where oneDNN's bf16 matmul is slower than its float32 one
-    (`bf16_matmul_fast`) is kept as loaded instead of packed: calls of more rows widen it to
+    (`bf16_widened`) is kept as loaded instead of packed: calls of more rows widen it to
     float32 (one pass over 2 bytes a weight) and multiply the widened activations in float32,
     rounding the product to bf16 (the same sums as bf16's matmul, which accumulates in float32);
     and its tiles multiply widened in registers (tiled_linear's `widen`)."""
@@ -163,7 +163,7 @@ class DenseLinear:
         self.bias = bias
         self.packed = onednn_packs(weight)
         self.tiles: Tensor | None = None
-        self.widens = self.packed and weight.dtype == torch.bfloat16 and tiles_run(weight) and not bf16_matmul_fast()
+        self.widens = self.packed and weight.dtype == torch.bfloat16 and tiles_run(weight) and bf16_widened()
         if self.widens:
             self.packed, self.float_bias = False, None if bias is None else bias.float()
         if (self.packed or self.widens) and tiles_run(weight):
