@@ -10,9 +10,9 @@
 // sum notices).
 
 // Value sums of L lanes over `dim` floats, up to four vectors of Math::kFloats at a time
-// (Math::accumulate_block<L, vectors>).
-template <typename Math, int64_t L>
-void accumulate_vectors(float* const* acc, const float* const* p, const float* const* values, int64_t n, int64_t dim) {
+// (Math::accumulate_block<L, vectors>), from float rows (or, in the AVX-512 body, float16 ones).
+template <typename Math, int64_t L, typename R = float>
+void accumulate_vectors(float* const* acc, const float* const* p, const R* const* values, int64_t n, int64_t dim) {
   constexpr int64_t kFloats = Math::kFloats;
   int64_t d = 0;
   for (; d + 4 * kFloats <= dim; d += 4 * kFloats) Math::template accumulate_block<L, 4>(acc, p, values, n, d);

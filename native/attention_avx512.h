@@ -34,6 +34,11 @@ struct Avx512Math {
     }
   }
   __attribute__((target("avx512f,avx2,fma"))) static __m512 exp(__m512 x) { return fast_exp16(x); }
+  // 16 of a row's values as floats: float32 rows as they are, float16 ones widened in registers.
+  __attribute__((target("avx512f,avx2,fma"))) static __m512 load16(const float* row) { return _mm512_loadu_ps(row); }
+  __attribute__((target("avx512f,avx2,fma"))) static __m512 load16(const c10::Half* row) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+  }
   __attribute__((target("avx512f,avx2,fma"))) static __m256 low_plus_high(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   }
@@ -62,9 +67,9 @@ struct Avx512Math {
   // is why the target names avx512bf16: float code compiled so never emits its instructions.
   // kChunks > 0: head_dim is kChunks vectors, and the queries stay in registers for the block
   // (dots_few_for picks it where they fit beside the sums).
-  template <int64_t L, typename T, int64_t kChunks = 0>
+  template <int64_t L, typename T, int64_t kChunks = 0, typename K = T>
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))) static void dots_few(
-      const T* const* q, float* const* out, const T* const* keys, int64_t n, int64_t dim, float scale) {
+      const T* const* q, float* const* out, const K* const* keys, int64_t n, int64_t dim, float scale) {
     constexpr int64_t kStep = 64 / sizeof(T);  // a vector's values
     const int64_t chunks = kChunks > 0 ? kChunks : dim / kStep;
     __m512 held[L][kChunks > 0 ? kChunks : 1];
@@ -74,15 +79,19 @@ struct Avx512Math {
     __m512 quads[L][4];
     PrefetchQueue* const queue = prefetch_queue;
     for (int64_t g = 0; g < 4; ++g) {
-      prefetch_as_read(queue, 4 * dim * static_cast<int64_t>(sizeof(T)));
-      const T* rows[4];
-      for (int64_t i = 0; i < 4; ++i) rows[i] = 4 * g + i < n ? keys[4 * g + i] : reinterpret_cast<const T*>(kZeroRow);
+      prefetch_as_read(queue, 4 * dim * static_cast<int64_t>(sizeof(K)));
+      const K* rows[4];
+      for (int64_t i = 0; i < 4; ++i) rows[i] = 4 * g + i < n ? keys[4 * g + i] : reinterpret_cast<const K*>(kZeroRow);
       __m512 sums[L][4];
       for (int64_t l = 0; l < L; ++l)
         for (int64_t i = 0; i < 4; ++i) sums[l][i] = _mm512_setzero_ps();
       for (int64_t c = 0; c < chunks; ++c)
         for (int64_t i = 0; i < 4; ++i) {
-          const __m512 k = _mm512_loadu_ps(rows[i] + c * kStep);
+          __m512 k;
+          if constexpr (std::is_same_v<K, c10::Half>)
+            k = load16(rows[i] + c * kStep);
+          else
+            k = _mm512_loadu_ps(rows[i] + c * kStep);
           for (int64_t l = 0; l < L; ++l) {
             __m512 ql;
             if constexpr (kChunks > 0)
@@ -103,14 +112,14 @@ struct Avx512Math {
   }
   // dots_few with the queries held in registers where head_dim is 2 or 4 vectors and they fit
   // beside the 4 L sums (at most 12 of the 32 registers), else loaded per key.
-  template <int64_t L, typename T>
-  static void dots_few_for(const T* const* q, float* const* out, const T* const* keys, int64_t n, int64_t dim,
+  template <int64_t L, typename T, typename K = T>
+  static void dots_few_for(const T* const* q, float* const* out, const K* const* keys, int64_t n, int64_t dim,
                            float scale) {
     constexpr int64_t kStep = 64 / sizeof(T);
     if constexpr (4 * L <= 12)
-      if (dim == 4 * kStep) return dots_few<L, T, 4>(q, out, keys, n, dim, scale);
-    if (dim == 2 * kStep) return dots_few<L, T, 2>(q, out, keys, n, dim, scale);
-    dots_few<L, T>(q, out, keys, n, dim, scale);
+      if (dim == 4 * kStep) return dots_few<L, T, 4, K>(q, out, keys, n, dim, scale);
+    if (dim == 2 * kStep) return dots_few<L, T, 2, K>(q, out, keys, n, dim, scale);
+    dots_few<L, T, 0, K>(q, out, keys, n, dim, scale);
   }
   // Up to kLanes lanes, four at a time (dots_few).
   template <typename Few>
@@ -232,18 +241,18 @@ struct Avx512Math {
     for (; l + kLanes <= count; l += kLanes) dots_transposed<kLanes>(q + l, out + l, kt, live, dim);
     dots_transposed_left<kLanes - 1>(q + l, out + l, count - l, kt, live, dim);
   }
-  template <int64_t L, int64_t V>
+  template <int64_t L, int64_t V, typename R = float>
   __attribute__((target("avx512f,avx2,fma"))) static void accumulate_block(float* const* acc, const float* const* p,
-                                                                          const float* const* values, int64_t n,
+                                                                          const R* const* values, int64_t n,
                                                                           int64_t d) {
     __m512 a[L][V];
     for (int64_t l = 0; l < L; ++l)
       for (int64_t v = 0; v < V; ++v) a[l][v] = _mm512_loadu_ps(acc[l] + d + 16 * v);
     PrefetchQueue* const queue = prefetch_queue;
     for (int64_t j = 0; j < n; ++j) {
-      prefetch_as_read(queue, 64 * V);
+      prefetch_as_read(queue, 16 * V * static_cast<int64_t>(sizeof(R)));
       __m512 row[V];
-      for (int64_t v = 0; v < V; ++v) row[v] = _mm512_loadu_ps(values[j] + d + 16 * v);
+      for (int64_t v = 0; v < V; ++v) row[v] = load16(values[j] + d + 16 * v);
       for (int64_t l = 0; l < L; ++l) {
         const __m512 pj = _mm512_set1_ps(p[l][j]);
         for (int64_t v = 0; v < V; ++v) a[l][v] = _mm512_fmadd_ps(pj, row[v], a[l][v]);
@@ -252,15 +261,42 @@ struct Avx512Math {
     for (int64_t l = 0; l < L; ++l)
       for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc[l] + d + 16 * v, a[l][v]);
   }
-  static void accumulate_lanes(float* const* acc, const float* const* p, int64_t count, const float* const* values,
+  template <typename R>
+  static void accumulate_lanes(float* const* acc, const float* const* p, int64_t count, const R* const* values,
                                int64_t n, int64_t dim) {
     int64_t l = 0;
-    for (; l + 4 <= count; l += 4) accumulate_vectors<Avx512Math, 4>(acc + l, p + l, values, n, dim);
+    for (; l + 4 <= count; l += 4) accumulate_vectors<Avx512Math, 4, R>(acc + l, p + l, values, n, dim);
     switch (count - l) {
-      case 3: return accumulate_vectors<Avx512Math, 3>(acc + l, p + l, values, n, dim);
-      case 2: return accumulate_vectors<Avx512Math, 2>(acc + l, p + l, values, n, dim);
-      case 1: return accumulate_vectors<Avx512Math, 1>(acc + l, p + l, values, n, dim);
+      case 3: return accumulate_vectors<Avx512Math, 3, R>(acc + l, p + l, values, n, dim);
+      case 2: return accumulate_vectors<Avx512Math, 2, R>(acc + l, p + l, values, n, dim);
+      case 1: return accumulate_vectors<Avx512Math, 1, R>(acc + l, p + l, values, n, dim);
       default: return;
     }
+  }
+  // float16 rows (a float16 cache under float32 queries) are read as stored where a few lanes (a
+  // decode's query heads of one kv head) use each row once or twice: each load widened in registers
+  // (vcvtph2ps) instead of the block widened into a buffer and read back. Prompt chunks' many lanes
+  // read each row many times, so their block is widened once and goes the float32 way.
+  static constexpr int64_t kFewLanes = 4;
+  template <typename F>
+  static void widened(const c10::Half* const* rows, int64_t n, int64_t dim, const F& f) {
+    alignas(64) float buffer[kBlock * kMaxDim];
+    std::vector<float> larger(dim > kMaxDim ? n * dim : 0);
+    float* const floats = dim > kMaxDim ? larger.data() : buffer;
+    const float* widened_rows[kBlock];
+    widen(rows, n, dim, floats);
+    for (int64_t j = 0; j < n; ++j) widened_rows[j] = floats + j * dim;
+    f(static_cast<const float* const*>(widened_rows));
+  }
+  static void dots_lanes(const float* const* q, float* const* out, int64_t count, const c10::Half* const* keys,
+                         int64_t n, int64_t dim) {
+    if (count <= kFewLanes && dim <= kMaxDim)
+      return by_fours(count, [&]<int64_t L>(int64_t l) { dots_few_for<L>(q + l, out + l, keys, n, dim, 1.0f); });
+    widened(keys, n, dim, [&](const float* const* rows) { dots_lanes(q, out, count, rows, n, dim); });
+  }
+  static void accumulate_lanes(float* const* acc, const float* const* p, int64_t count, const c10::Half* const* values,
+                               int64_t n, int64_t dim) {
+    if (count <= kFewLanes) return accumulate_lanes<c10::Half>(acc, p, count, values, n, dim);
+    widened(values, n, dim, [&](const float* const* rows) { accumulate_lanes<float>(acc, p, count, rows, n, dim); });
   }
 };

@@ -176,8 +176,8 @@ float top(const float* s, int64_t count) {
 
 // A block's scores (or value sums) for `count` lanes: the body's many-lane version where it
 // has one, else lane by lane.
-template <typename Math>
-void dots_lanes(const float* const* q, float* const* out, int64_t count, const float* const* keys, int64_t n,
+template <typename Math, typename R>
+void dots_lanes(const float* const* q, float* const* out, int64_t count, const R* const* keys, int64_t n,
                 int64_t dim) {
   if constexpr (requires { Math::dots_lanes(q, out, count, keys, n, dim); })
     Math::dots_lanes(q, out, count, keys, n, dim);
@@ -185,8 +185,8 @@ void dots_lanes(const float* const* q, float* const* out, int64_t count, const f
     for (int64_t l = 0; l < count; ++l) Math::dots(q[l], keys, n, dim, out[l]);
 }
 
-template <typename Math>
-void accumulate_lanes(float* const* acc, const float* const* p, int64_t count, const float* const* values, int64_t n,
+template <typename Math, typename R>
+void accumulate_lanes(float* const* acc, const float* const* p, int64_t count, const R* const* values, int64_t n,
                       int64_t dim) {
   if constexpr (requires { Math::accumulate_lanes(acc, p, count, values, n, dim); })
     Math::accumulate_lanes(acc, p, count, values, n, dim);
@@ -295,14 +295,17 @@ void attend(const at::Tensor& out, const at::Tensor& q, const Rows& key_rows, co
   std::vector<float> partial_max(partial_lanes), partial_sum(partial_lanes), partial_acc(partial_lanes * dim);
 
   // The bf16 body reads queries and rows as bf16 (its scores scaled after), the int8 one rows as
-  // stored and queries as int16 with a scale each, the others both as float32 (queries scaled before).
+  // stored and queries as int16 with a scale each, the others queries as float32 (scaled before) and
+  // rows as float32, or (the AVX-512 body over a float16 cache) as stored.
   // The int8 body leaves the rows' midpoints out of its integer products and adds them after:
   // q . k = scale (q . row) + midpoint (the sum of q's elements) for a key, and for the values
   // a lane's sum of p_j x midpoint_j, the same in every element, once the item is done.
   constexpr bool kPairs = std::is_same_v<Math, Avx512Bf16Math>;
   constexpr bool kBytes = std::is_same_v<Math, Avx512Int8Math>;
-  using Row = std::conditional_t<kPairs, c10::BFloat16, std::conditional_t<kBytes, int8_t, float>>;
-  using Query = std::conditional_t<kBytes, int16_t, Row>;
+  constexpr bool kHalves = std::is_same_v<Math, Avx512Math> && std::is_same_v<KT, c10::Half>;
+  using Row = std::conditional_t<kPairs, c10::BFloat16,
+                                 std::conditional_t<kBytes, int8_t, std::conditional_t<kHalves, c10::Half, float>>>;
+  using Query = std::conditional_t<kBytes, int16_t, std::conditional_t<kPairs, Row, float>>;
   const int64_t item_count = static_cast<int64_t>(items.size());
   // The AVX-512 bodies issue the read-ahead lines as they read (prefetch_queue.h); the others get them at once.
   constexpr bool kTrickle = std::is_base_of_v<Avx512Math, Math>;

@@ -122,8 +122,9 @@ for dim in dims:
     raw = [torch.randn(5, 300, 3, dim, generator=generator) for _ in range(2)]
     k8, v8, scales = int8_cache(raw)
     check(torch.randn(56, 9, dim, generator=generator), k8, v8, lengths, news, 1e-5, scales)
-for heads in (3, 6, 12, 21):  # decodes' 1, 2, 4 and 7 query heads per kv head: the few-lane scores
-    k, v = (torch.randn(5, 300, 3, 64, generator=generator) for _ in range(2))
+# decodes' 1, 2, 4 and 7 query heads per kv head: the few-lane scores (a float16 cache's rows read as stored)
+for heads, cache_dtype in [(h, t) for h in (3, 6, 12, 21) for t in (torch.float32, torch.float16)]:
+    k, v = (torch.randn(5, 300, 3, 64, generator=generator).to(cache_dtype) for _ in range(2))
     check(torch.randn(56, heads, 64, generator=generator), k, v, lengths, news, 1e-5)
 """
 )
