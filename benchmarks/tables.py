@@ -82,7 +82,7 @@ def quality(results: dict[str, Any]) -> str:
 
 def serving_compare(results: dict[str, Any]) -> str:
     """The served comparison: per system and level the median of the rounds (tokens/s with its
-    range), then the ratios within each precision class."""
+    range), then the ratios within each precision class (none where no two systems share one)."""
     machine, settings = results["machine"], results["settings"]
     onednn = machine.get("onednn", {})
     lines = [
@@ -99,7 +99,8 @@ def serving_compare(results: dict[str, Any]) -> str:
             f"| {row['system']} | {row['precision']} | {row['concurrency']} | {speed:.1f} ({spread}) | "
             f"{row['ttft_p50_s']:.2f} s | {row['tpot_p50_ms']:.0f} ms | {row['peak_rss_mib']:,.0f} MiB |"
         )
-    return "\n".join(lines) + "\n\n" + serving_ratios(results)
+    table = "\n".join(lines) + "\n"
+    return table + "\n" + serving_ratios(results) if results["comparisons"] else table
 
 
 def serving_ratios(results: dict[str, Any]) -> str:
@@ -324,6 +325,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "avx512_intel/offline_compare.ratios": offline_ratios,
     "avx512_intel/serving_compare_default": serving_compare,
     "avx512_intel/serving_compare_default.ratios": serving_ratios,
+    "avx512_intel/serving_compare_q8": serving_compare,
     "amx/attention_vs_vllm": attention_vs_vllm,
     "amx/offline_compare": offline_compare,
     "amx/offline_compare.ratios": offline_ratios,
