@@ -67,17 +67,16 @@ TILED void tiles(const uint32_t* x, int64_t steps, const T* weight, const float*
     for (int64_t m = 0; m < M; ++m)
       acc[n][m] = bias ? _mm512_loadu_ps(bias + (t + n) * kTile) : _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
-    __m512 v[N];
-    for (int64_t n = 0; n < N; ++n) {
-      const T* vector = w + (n * steps + s) * kVector;
-      _mm_prefetch(reinterpret_cast<const char*>(vector) + kAheadBytes, _MM_HINT_T0);
-      v[n] = _mm512_loadu_ps(vector);
-    }
+    // Each branch loads its own weight vectors: with one array of them declared for both, GCC 12
+    // stored every accumulator to the stack on every step of the widening loop.
     if constexpr (Widen) {
       __m512 even[N], odd[N];  // each pair's first and second weight as floats
       for (int64_t n = 0; n < N; ++n) {
-        even[n] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(v[n]), 16));
-        odd[n] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[n]), _mm512_set1_epi32(~0xFFFF)));
+        const T* vector = w + (n * steps + s) * kVector;
+        _mm_prefetch(reinterpret_cast<const char*>(vector) + kAheadBytes, _MM_HINT_T0);
+        const __m512i pairs = _mm512_loadu_si512(vector);
+        even[n] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+        odd[n] = _mm512_castsi512_ps(_mm512_maskz_mov_epi16(0xAAAAAAAA, pairs));
       }
       for (int64_t m = 0; m < M; ++m) {
         const float* inputs = reinterpret_cast<const float*>(x) + m * x_row + 2 * s;
@@ -85,16 +84,22 @@ TILED void tiles(const uint32_t* x, int64_t steps, const T* weight, const float*
         for (int64_t n = 0; n < N; ++n)
           acc[n][m] = _mm512_fmadd_ps(second, odd[n], _mm512_fmadd_ps(first, even[n], acc[n][m]));
       }
-      continue;
-    }
-    for (int64_t m = 0; m < M; ++m) {
-      const uint32_t input = x[m * x_row + s];  // broadcast from memory into the multiply-adds
+    } else {
+      __m512 v[N];
       for (int64_t n = 0; n < N; ++n) {
-        if constexpr (std::is_same_v<T, float>)
-          acc[n][m] = _mm512_fmadd_ps(_mm512_set1_ps(std::bit_cast<float>(input)), v[n], acc[n][m]);
-        else
-          acc[n][m] =
-              _mm512_dpbf16_ps(acc[n][m], (__m512bh)_mm512_set1_epi32(static_cast<int>(input)), (__m512bh)v[n]);
+        const T* vector = w + (n * steps + s) * kVector;
+        _mm_prefetch(reinterpret_cast<const char*>(vector) + kAheadBytes, _MM_HINT_T0);
+        v[n] = _mm512_loadu_ps(vector);
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const uint32_t input = x[m * x_row + s];  // broadcast from memory into the multiply-adds
+        for (int64_t n = 0; n < N; ++n) {
+          if constexpr (std::is_same_v<T, float>)
+            acc[n][m] = _mm512_fmadd_ps(_mm512_set1_ps(std::bit_cast<float>(input)), v[n], acc[n][m]);
+          else
+            acc[n][m] =
+                _mm512_dpbf16_ps(acc[n][m], (__m512bh)_mm512_set1_epi32(static_cast<int>(input)), (__m512bh)v[n]);
+        }
       }
     }
   }
