@@ -116,12 +116,14 @@ def test_avx2_body_is_the_float32_sum_and_refuses_bf16() -> None:
 def test_bf16_decode_rows_leave_the_tiles_for_amx_where_onednn_has_it(cap: str | None) -> None:
     """On AMX oneDNN's bf16 matmul beats the tiles from 16 rows on (results/amx/few_rows.*), so
     bf16 calls of more than AMX_BF16_TILED_ROWS go to it; below AMX (the CPU has none, or
-    ONEDNN_MAX_CPU_ISA caps oneDNN under it) they keep the tiles up to TILED_ROWS."""
+    ONEDNN_MAX_CPU_ISA caps oneDNN under it) they keep the tiles up to TILED_ROWS, or up to
+    WIDENED_BF16_TILED_ROWS where bf16 calls off the tiles widen the weight to float32."""
     script = (
-        "import torch\nfrom serving.model.cpu_features import usable_flags\n"
-        "from serving.model.linear import AMX_BF16_TILED_ROWS, TILED_ROWS, tiled_rows\n"
+        "import torch\nfrom serving.model.cpu_features import bf16_widened, usable_flags\n"
+        "from serving.model.linear import AMX_BF16_TILED_ROWS, TILED_ROWS, WIDENED_BF16_TILED_ROWS, tiled_rows\n"
         "amx = 'amx_bf16' in usable_flags()\n"
-        "print(amx, tiled_rows(torch.bfloat16) == (AMX_BF16_TILED_ROWS if amx else TILED_ROWS[torch.bfloat16]))\n"
+        "below = WIDENED_BF16_TILED_ROWS if bf16_widened() else TILED_ROWS[torch.bfloat16]\n"
+        "print(amx, tiled_rows(torch.bfloat16) == (AMX_BF16_TILED_ROWS if amx else below))\n"
         "print(tiled_rows(torch.float32) == TILED_ROWS[torch.float32])"
     )
     words = printed_under({"ONEDNN_MAX_CPU_ISA": cap} if cap else {}, script)

@@ -112,12 +112,17 @@ up to about 8 rows (1.75x at 1, 1.23x at 4, level at 8; 0.51x at 16, 0.19x at 64
 results/amx/few_rows.*)."""
 
 
+WIDENED_BF16_TILED_ROWS = 256
+"""TILED_ROWS for bf16 where calls off the tiles widen the weight to float32 (bf16_widened): the
+tiles, widened in registers, skip that pass and win to short prompts (results/avx512_intel/few_rows.*)."""
+
+
 def tiled_rows(dtype: torch.dtype) -> int:
-    """TILED_ROWS for `dtype` on this CPU (AMX_BF16_TILED_ROWS for bf16 where AMX's bf16 is usable).
-    Where bf16 calls off the tiles widen the weight to float32 (DenseLinear.widens), the tiles
-    win up to TILED_ROWS too (1.34x at 64 rows, level at 96: results/avx512_intel/few_rows.*)."""
+    """TILED_ROWS for `dtype` on this CPU, or AMX_BF16_TILED_ROWS or WIDENED_BF16_TILED_ROWS for bf16."""
     if dtype == torch.bfloat16 and amx_bf16_available():
         return AMX_BF16_TILED_ROWS
+    if dtype == torch.bfloat16 and bf16_widened():
+        return WIDENED_BF16_TILED_ROWS
     return TILED_ROWS[dtype]
 
 
