@@ -45,6 +45,10 @@ namespace {
 constexpr int64_t kTile = 16;
 constexpr int64_t kRows = 16;      // rows of one tile at a time: 16 accumulators
 constexpr int64_t kPairRows = 12;  // rows of two tiles at a time: 24 accumulators
+// bf16 calls of more rows than this multiply widened where `widen` asks (a CPU whose vdpbf16ps
+// runs at half its FMAs' rate): up to it the stream binds and vdpbf16ps does fewer operations;
+// past it, widened, 1.1-1.2x at 10-20 rows (the default model's 30 layers, alternating builds).
+constexpr int64_t kDotRows = 8;
 constexpr int64_t kAheadBytes = 16 << 10;
 
 #if defined(__x86_64__)
@@ -122,20 +126,23 @@ void run(int64_t rows, const uint32_t* x, int64_t steps, const T* weight, const 
 }
 
 // Tiles [begin, end) for `count` rows, each tile (or pair) read from memory once and from cache
-// for the rows' next blocks: one tile at a time in blocks of 16 rows; or, past 16 float32 rows,
-// where the multiply-adds rather than the stream bound it, two tiles at a time in blocks of 12
-// (two weight vectors per broadcast input; 1.1-1.2x at 32-64 rows, and no faster for vdpbf16ps).
+// for the rows' next blocks: one tile at a time in blocks of 16 rows; or, past 16 float32 rows
+// and for widened bf16, where the multiply-adds rather than the stream bound it, two tiles at a
+// time in blocks of up to 12, as even as the count allows (two weight vectors per broadcast
+// input; 1.1-1.2x at 32-64 rows, and no faster for vdpbf16ps).
 template <typename T, bool Widen>
 void tile_range(int64_t count, const uint32_t* x, int64_t steps, const T* weight, const float* bias, T* out,
                 int64_t out_row, int64_t begin, int64_t end) {
   const int64_t x_row = Widen ? 2 * steps : steps;
   int64_t t = begin;
   if constexpr (std::is_same_v<T, float> || Widen)
-    if (count > kRows)
+    if (Widen || count > kRows) {
+      const int64_t blocks = (count + kPairRows - 1) / kPairRows, block = (count + blocks - 1) / blocks;
       for (; t + 1 < end; t += 2)
-        for (int64_t r = 0; r < count; r += kPairRows)
-          run<2, kPairRows, T, Widen>(std::min(kPairRows, count - r), x + r * x_row, steps, weight, bias,
+        for (int64_t r = 0; r < count; r += block)
+          run<2, kPairRows, T, Widen>(std::min(block, count - r), x + r * x_row, steps, weight, bias,
                                       out + r * out_row, out_row, t);
+    }
   for (; t < end; ++t)
     for (int64_t r = 0; r < count; r += kRows)
       run<1, kRows, T, Widen>(std::min(kRows, count - r), x + r * x_row, steps, weight, bias, out + r * out_row,
@@ -181,7 +188,7 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& weight, const std
     });
     return out;
   }
-  if (bf16 && widen && count > kRows) {  // at up to 16 rows the stream binds, and vdpbf16ps does fewer operations
+  if (bf16 && widen && count > kDotRows) {
     const at::Tensor inputs = x.to(at::kFloat);
     const auto* rows = reinterpret_cast<const uint32_t*>(inputs.const_data_ptr<float>());
     at::parallel_for(0, weight.size(0), 1, [&](int64_t begin, int64_t end) {

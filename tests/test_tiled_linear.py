@@ -29,12 +29,13 @@ def tiles(weight: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("dtype", "widen"), [(dtype, False) for dtype in DTYPES] + [(torch.bfloat16, True)] * bf16_available()
 )
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 8, 12, 13, 16, 17, 31, 48, 50])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 8, 9, 12, 13, 16, 17, 25, 31, 48, 50, 100])
 @pytest.mark.parametrize("bias", [False, True])
 def test_tiled_product_is_the_float32_sum_of_the_products(
     dtype: torch.dtype, widen: bool, rows: int, bias: bool
 ) -> None:
-    """Also bf16 widened to float32 in registers (`widen`: past 16 rows FMAs, not vdpbf16ps)."""
+    """Also bf16 widened to float32 in registers (`widen`: past 8 rows FMAs, not vdpbf16ps), pairs
+    of tiles in even blocks of rows."""
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(80, 96, generator=generator).to(dtype)
     x = torch.randn(rows, 96, generator=generator).to(dtype)
