@@ -58,8 +58,8 @@ constexpr int64_t kAheadBytes = 16 << 10;
 // tile t + n. `x` holds each row's steps as 32-bit words (a float, or a bf16 pair), or where
 // Widen (bf16 only) each row's inputs as floats: the tile's bf16 pairs are widened to two float
 // vectors in registers and multiplied by FMAs, for CPUs whose vdpbf16ps runs at less than their
-// FMAs' rate (an Intel Xeon without AMX: serving.model.cpu_features.bf16_matmul_fast; there
-// 1.06-1.17x vdpbf16ps at 32-96 rows, 0.85-0.95x at 1-16, where the stream binds).
+// FMAs' rate (an Intel Xeon without AMX: serving.model.cpu_features.bf16_widened; there they
+// take calls of more than kDotRows rows, and short prompts: serving.model.linear.WIDENED_BF16_TILED_ROWS).
 template <int64_t N, int64_t M, typename T, bool Widen>
 TILED void tiles(const uint32_t* x, int64_t steps, const T* weight, const float* bias, T* out, int64_t out_row,
                  int64_t t) {
