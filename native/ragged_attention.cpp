@@ -671,9 +671,12 @@ void ragged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tens
       store<QT, KT>(*k, keys, rows, news, lens, batch);
       store<QT, KT>(*v, values, rows, news, lens, batch);
     }
-    if constexpr (std::is_same_v<QT, c10::BFloat16> && (std::is_same_v<KT, c10::BFloat16> || std::is_same_v<KT, int8_t>)) {
-      if (brgemm_attention_runs(q.size(2))) {
-        // Prompt chunks on brgemm (AMX), the rest (decodes, short chunks) on this body.
+    constexpr bool kBrgemmDtypes = (std::is_same_v<QT, c10::BFloat16> &&
+                                    (std::is_same_v<KT, c10::BFloat16> || std::is_same_v<KT, int8_t>)) ||
+                                   (std::is_same_v<QT, float> && std::is_same_v<KT, float>);
+    if constexpr (kBrgemmDtypes) {
+      if (brgemm_attention_runs(q.scalar_type(), q.size(2))) {
+        // Prompt chunks on brgemm, the rest (decodes, short chunks) on this body.
         PromptChunks chunks, rest;
         for (int64_t b = 0; b < batch; ++b) (news[b] >= kBrgemmMinTokens ? chunks : rest).add(ids[b], rows[b], news[b], lens[b]);
         if (!chunks.empty()) brgemm_attention(out, q, k_cache, v_cache, k_qparams, v_qparams, k, v, chunks, scale);
@@ -739,7 +742,7 @@ TORCH_LIBRARY(vattn, m) {
   m.def("attention_simd(int head_dim) -> str", &simd_for);
   m.def("attention_bf16_dots(int head_dim) -> bool", &bf16_dots);
   m.def("attention_int8_dots(int head_dim) -> bool", &int8_dots);
-  m.def("attention_brgemm(int head_dim) -> bool", &brgemm_attention_runs);
+  m.def("attention_brgemm(ScalarType dtype, int head_dim) -> bool", &brgemm_attention_runs);
 }
 
 TORCH_LIBRARY_IMPL(vattn, CPU, m) {

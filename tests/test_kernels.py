@@ -232,7 +232,7 @@ for dim, heads in [(64, 9), (64, 3), (64, 12), (128, 21), (96, 6)]:
     lengths, news = [32, 200, 1, 431, 97, 31, 130], [32, 200, 1, 65, 33, 31, 64]
     q = torch.randn(sum(news), heads, dim, generator=generator).bfloat16()
     check(q, k, v, lengths, news, 1e-2)
-    print(ops.attention_brgemm(dim), end=" ")
+    print(ops.attention_brgemm(torch.bfloat16, dim), end=" ")
 raw = [torch.randn(7, 450, 3, 64, generator=generator) for _ in range(2)]  # an int8 cache, bf16 queries
 k8, v8, scales = int8_cache(raw)
 check(torch.randn(sum(news), 9, 64, generator=generator).bfloat16(), k8, v8, lengths, news, 2e-2, scales)
@@ -251,12 +251,38 @@ def test_ragged_kernel_prompt_chunks_on_brgemm_match_float64(onednn_cap: str) ->
     assert printed_under_cap(BRGEMM_CHECK, onednn_cap) == [str(brgemm)] * 5
 
 
+# float32 prompt chunks over a float32 cache, which take oneDNN's f32 brgemm on any AVX-512 CPU
+# from 32 new tokens: the same chunks and decodes, head dims that are multiples of 16 (48 too) and
+# one that is not (40: the dot-product body), 1-7 query heads a kv head.
+FLOAT_BRGEMM_CHECK = (
+    AGAINST_FLOAT64
+    + """
+for dim, heads in [(64, 9), (64, 3), (64, 12), (128, 21), (48, 6), (40, 9)]:
+    k, v = (torch.randn(7, 450, 3, dim, generator=generator) for _ in range(2))
+    lengths, news = [32, 200, 1, 431, 97, 31, 130], [32, 200, 1, 65, 33, 31, 64]
+    check(torch.randn(sum(news), heads, dim, generator=generator), k, v, lengths, news, 1e-5)
+    print(ops.attention_brgemm(torch.float32, dim), end=" ")
+"""
+)
+
+
+@pytest.mark.parametrize("onednn_cap", ["", "AVX2"])
+def test_ragged_kernel_float_prompt_chunks_on_brgemm_match_float64(onednn_cap: str) -> None:
+    """On an AVX-512 CPU float32 prompt chunks run on oneDNN's brgemm, the rest of the call on the
+    dot-product bodies; ONEDNN_MAX_CPU_ISA below AVX512_CORE keeps every request on those. Both
+    match float64 attention."""
+    if onednn_cap and WIDEST != "avx512":
+        pytest.skip("without AVX-512 the cap changes no path: the uncapped case runs these")
+    brgemm = WIDEST == "avx512" and not onednn_cap
+    assert printed_under_cap(FLOAT_BRGEMM_CHECK, onednn_cap) == [str(brgemm)] * 5 + ["False"]
+
+
 def test_brgemm_prompt_chunks_attend_over_their_own_rows_not_the_int8_copies() -> None:
     """On brgemm a bf16 prompt chunk over an int8 cache reads its own new K/V as the call gives
     them, and only the earlier tokens' as quantized. Rows with one large element (steps of ~0.25)
     make that reference and the all-quantized one differ far beyond bf16's rounding."""
     ops, generator = vattn_ops(), torch.Generator().manual_seed(2)
-    if not ops.attention_brgemm(64):
+    if not ops.attention_brgemm(torch.bfloat16, 64):
         pytest.skip("prompt chunks take brgemm only where oneDNN packs bf16 for it (AMX)")
     earlier, new, heads = 40, 64, 9
     fresh = [torch.randn(earlier + new, 3, 64, generator=generator) for _ in range(2)]

@@ -47,9 +47,10 @@ class RaggedKernel(AttentionKernel):
     kernel is slower on chunks too (one request, 9 query heads over 3 KV heads of 64: 2.0x
     at 256 new tokens, 1.6x at 1,024, 1.2x at 4,096). The same call first writes the new
     tokens' K/V into their rows, rounded to the cache's dtype (two indexed copies per layer
-    had cost a decode step at one request more than its attention). On AMX, bf16 prompt chunks
-    of 32 or more new tokens run as matrix products on oneDNN's brgemm instead
-    (native/brgemm_attention.cpp; ~2x the dot products on an AMX Xeon's prompts of 128-512)."""
+    had cost a decode step at one request more than its attention). Prompt chunks of 32 or more
+    new tokens run as matrix products on oneDNN's brgemm instead (native/brgemm_attention.cpp):
+    bf16 on AMX (~2x the dot products on an AMX Xeon's prompts of 128-512), float32 on any
+    AVX-512 CPU (1.1-1.4x on an AMD EPYC's)."""
 
     name = "ragged"
     reads_narrower_cache = True
