@@ -68,6 +68,11 @@ class EngineConfig:
     more admits more requests at once, and risks more preemptions when they all run long."""
     kv_budget: int = 1024 * MiB
     """Physical bytes the KV cache may map."""
+    kv_preallocate: bool = True
+    """Allocate the virtual cache's pages (up to kv_budget, or what max_slots requests at max_context
+    can use) when the engine starts, as vLLM and OpenVINO allocate their KV space: no step pays for
+    touching fresh memory, and a budget the machine cannot hold fails at start. False: pages get
+    memory when first mapped, and the cache costs only what it maps (not with several models on one budget)."""
     kv_cache: str = "virtual"
     """`virtual` (vattn's cache) or `paged` (the block-table baseline)."""
     page_size: int | None = None

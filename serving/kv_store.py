@@ -174,6 +174,7 @@ class VirtualKVStore(CacheStore):
             prefix_cache_share=config.prefix_cache_share,
             record_events=config.kv_events_endpoint is not None,
             background=config.tensor_parallel_size == 1,  # ranks map synchronously: the same decisions
+            preallocate=config.kv_preallocate,
         )
         cache = KVCache(cache_config, page_budget)
         super().__init__(cache, make_kernel(config.attention_kernel, cache, shape.num_query_heads))

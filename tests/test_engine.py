@@ -111,6 +111,20 @@ def test_admission_keeps_room_for_output_so_a_tight_budget_does_not_preempt(hf_g
         small.close()
 
 
+def test_the_kv_pages_are_made_at_start_unless_asked_not_to(llm: LLM, hf_greedy: list[list[int]]) -> None:
+    """By default (kv_preallocate) every page the pool may hold exists when the engine starts and
+    requests take those; with kv_preallocate=False pages are made as mapped, the same tokens."""
+    started = llm.engine.stats().kv
+    assert started.pages_created == started.pool_pages and started.fresh_pages_taken == 0
+    lazy = LLM(**ENGINE, kv_preallocate=False)
+    try:
+        assert lazy.engine.stats().kv.pages_created < started.pool_pages
+        assert [o.token_ids for o in lazy.generate(PROMPTS[:2], GREEDY, use_tqdm=False)] == hf_greedy[:2]
+        assert lazy.engine.stats().kv.fresh_pages_taken > 0
+    finally:
+        lazy.close()
+
+
 def test_the_paged_cache_gives_the_same_greedy_tokens(llm: LLM, hf_greedy: list[list[int]]) -> None:
     """The A/B the paper needs: the engine on the block-table baseline, unchanged otherwise,
     with blocks of 7 tokens (not a divisor of anything) and a budget small enough to preempt

@@ -352,3 +352,36 @@ def test_native_library_is_built_and_required_when_asked_for(monkeypatch: pytest
     assert host_calls.select_host_calls(None).name == "ctypes"
     with pytest.raises(RuntimeError, match="make native"):
         host_calls.select_host_calls(True)
+
+
+def test_a_preallocated_pool_has_every_page_made_and_backed_at_start(make_cache: MakeCache) -> None:
+    """With `preallocate` every page the pool may hold is created, free, when the cache is made
+    (on the host: the memfd's memory allocated, as its blocks show); requests then take those
+    pages and none fresh. Without it a cache holds nothing physical until it maps (here nothing:
+    no background thread pre-maps a slot)."""
+    budget = 96 * 4096
+    lazy = make_cache(memory_budget=budget, background=False)
+    eager = make_cache(memory_budget=budget, preallocate=True)
+    assert lazy.stats().pages_created == 0
+    assert eager.stats().pages_created == eager.stats().pool_pages == 96
+    if isinstance(eager.backend, HostBackend):
+        for cache, backed in ((lazy, 0), (eager, budget)):
+            assert os.fstat(cache.backend.pool_fd()).st_blocks * 512 == backed
+    lengths = {eager.alloc_reqid(): 50, eager.alloc_reqid(): 120}
+    eager.step(lengths)
+    for reqid, length in lengths.items():
+        write_all(eager, reqid, length, 0)
+        check_all(eager, reqid, length, 0)
+    eager.wait_for_background()
+    stats = eager.stats()
+    assert stats.fresh_pages_taken == 0 and stats.pages_created == 96 and stats.recycled_pages_taken > 0
+    eager.check_invariants()
+
+
+def test_a_preallocation_the_machine_cannot_hold_is_refused_at_once() -> None:
+    """Twice the machine's memory to preallocate: ConfigurationError with the fix, nothing allocated."""
+    shape = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "page_size": 2 << 20, "max_slots": 64}
+    budget = 2 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    config = KVCacheConfig(**shape, max_context=2**20, memory_budget=budget, preallocate=True)
+    with pytest.raises(ConfigurationError, match=r"lower the KV budget .* or do not preallocate"):
+        KVCache(config)

@@ -70,6 +70,10 @@ class KVCacheConfig:
     """Idle slots give their pages back when free pages fall under this share of the pool."""
     native: bool | None = None
     """Host backend: True needs the C library, False uses ctypes, None picks C if built."""
+    preallocate: bool = False
+    """Give the pool's pages their memory when the cache is made (as vLLM and OpenVINO allocate
+    their KV space at start), so that no step pays for touching fresh memory; False: a page
+    gets its memory when first mapped. Not with a shared PageBudget (each pool would take it)."""
     prefix_match: PrefixMatch = "token"
     """`match_prefix` reuses a cached prefix to the token (the part of a unit copied) or in
     whole units only (mapped, nothing copied)."""

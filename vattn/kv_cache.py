@@ -46,6 +46,12 @@ class KVCache(CacheAccess):
         self.backend: VMMBackend = make_backend(config)
         self._slots = [Slot(i) for i in range(config.max_slots)]
         self._pool = PagePool(self.backend, config.pool_pages, budget, config.page_size)
+        if config.preallocate and budget is None:
+            try:
+                self._pool.preallocate()
+            except BaseException:
+                self.backend.close()
+                raise
         self._prefix = PrefixCache(self._pool, config.record_events)
         memory = CacheMemory(config, self.backend, self._slots, self._pool)
         kernels_lease, self._layers, self._qparams = memory.open()

@@ -125,6 +125,15 @@ class PagePool:
                 self.budget.release(nbytes)
             raise
 
+    def preallocate(self) -> int:
+        """Creates every page the pool may hold and gives each its memory now (the backend's
+        back_pages), all of them free; returns how many."""
+        pages = self._create(self.num_creatable)
+        self._created.extend(pages)
+        self._backend.back_pages(pages)
+        self._recycled.extend(pages)
+        return len(pages)
+
     def shrink(self, limit: int | None = None) -> int:
         """Destroys pages nobody references (all, or the `limit` least recently freed), so that
         their memory goes back to the system and to a shared budget; the capacity is unchanged

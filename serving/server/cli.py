@@ -134,9 +134,7 @@ def parser() -> argparse.ArgumentParser:
         help="where the ranks meet, tcp://HOST:PORT on rank 0's machine (default: this machine, the other ranks "
         "started here); then start each other rank by hand with the same options and --tp-rank",
     )
-    serve.add_argument(
-        "--tp-rank", type=int, default=0, help="run as this follower rank of a --tp-init-method group (no HTTP)"
-    )
+    serve.add_argument("--tp-rank", type=int, default=0, help="run as this follower rank of --tp-init-method (no HTTP)")
     serve.add_argument("--max-slots", type=positive, default=defaults.max_slots, help="requests running at once")
     serve.add_argument(
         "--max-context", type=positive, default=defaults.max_context, help="prompt + output tokens per request"
@@ -154,6 +152,12 @@ def parser() -> argparse.ArgumentParser:
         "--kv-budget", type=size, default=size_label(defaults.kv_budget), help="physical bytes for the KV cache"
     )
     serve.add_argument(
+        "--kv-preallocate",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.kv_preallocate,
+        help="allocate the KV pages at start, as vLLM does (--no-kv-preallocate: as first mapped)",
+    )
+    serve.add_argument(
         "--backend", default=defaults.backend, choices=BACKENDS, help="where KV pages live: host memory or CUDA"
     )
     serve.add_argument(
@@ -167,10 +171,9 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", *QUANTIZATIONS],
         help="weights: none (as --dtype), bf16, int8 (weights and activations), int8_weight_only (weights in "
-        "groups of 32, activations in int16: the float model's answers), q8_0 (llama.cpp's Q8_0 arithmetic: "
-        "weights and activations int8 in groups of 32, ~1.7x int8_weight_only's multiplies on AVX-512 VNNI), "
-        "gguf (a GGUF file's own quantized "
-        "weights); auto: gguf for a .gguf model, else none",
+        "groups of 32, activations in int16: the float model's answers), q8_0 (llama.cpp's Q8_0 arithmetic: weights "
+        "and activations int8 in groups of 32, ~1.7x int8_weight_only's multiplies on AVX-512 VNNI), gguf (a GGUF "
+        "file's own quantized weights); auto: gguf for a .gguf model, else none",
     )
     serve.add_argument(
         "--kv-cache-dtype",

@@ -61,6 +61,10 @@ class VMMBackend(ABC):
         """Creates `count` physical pages and returns their handles."""
 
     @abstractmethod
+    def back_pages(self, pages: Sequence[int]) -> None:
+        """Gives created pages their memory now, where creating them did not."""
+
+    @abstractmethod
     def release_pages(self, pages: Sequence[int]) -> None:
         """Frees physical pages that are mapped nowhere."""
 

@@ -201,6 +201,9 @@ class CudaBackend(VMMBackend):
             self._live_pages += 1
         return pages
 
+    def back_pages(self, pages: Sequence[int]) -> None:
+        """Nothing: cuMemCreate allocated their memory."""
+
     def release_pages(self, pages: Sequence[int]) -> None:
         """Releases pages mapped nowhere (so no GPU work can still read them: each unmap waited for it)."""
         self._enter()

@@ -67,6 +67,15 @@ def free_address_space() -> tuple[int, str]:
     return free, limit
 
 
+def available_memory() -> int:
+    """Bytes the kernel estimates it can give without swapping (/proc/meminfo's MemAvailable)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable")
+
+
 class MapCountBudget:
     """The memory mappings promised to this process's host caches, so that together, not
     just each alone, they stay under vm.max_map_count however their pages end up mapped."""
@@ -159,6 +168,32 @@ class HostBackend(VMMBackend):
         pages += range(self._next_page, self._next_page + count - reused)
         self._next_page += count - reused
         return pages
+
+    def back_pages(self, pages: Sequence[int]) -> None:
+        """fallocate over each run of consecutive pages: the memfd's memory allocated and zeroed
+        in a few calls (~4 GB/s), not fault by fault when the pages are first mapped and
+        populated (~0.3-1 GB/s on a 2-core VM). ConfigurationError, with nothing allocated, if
+        the machine has not that much memory available."""
+        needed, available = len(pages) * self.page_size, available_memory()
+        if needed > available:
+            raise ConfigurationError(
+                f"preallocating the KV cache's {needed} B needs more than the {available} B of memory this machine "
+                "has available: lower the KV budget (or max_slots x max_context), or do not preallocate"
+            )
+        runs: list[list[int]] = []
+        for page in sorted(pages):
+            if runs and runs[-1][1] == page:
+                runs[-1][1] += 1
+            else:
+                runs.append([page, page + 1])
+        for first, end in runs:
+            try:
+                os.posix_fallocate(self._fd, first * self.page_size, (end - first) * self.page_size)
+            except OSError as error:
+                raise ConfigurationError(
+                    f"allocating {len(pages) * self.page_size} B of KV pages failed ({error.strerror}): "
+                    "lower the KV budget or turn preallocation off"
+                ) from error
 
     def release_pages(self, pages: Sequence[int]) -> None:
         mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
