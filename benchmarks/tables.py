@@ -350,6 +350,8 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "avx2/serving_compare_default": serving_compare,
     "avx2/serving_compare_default.ratios": serving_ratios,
     "serving_compare.ratios": serving_ratios,
+    "serving_compare_default": serving_compare,
+    "serving_compare_default.ratios": serving_ratios,
     "sleep_mode": sleep_mode,
     "shared_budget": shared_budget,
 }
