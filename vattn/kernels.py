@@ -50,7 +50,7 @@ class RaggedKernel(AttentionKernel):
     had cost a decode step at one request more than its attention). Prompt chunks of 32 or more
     new tokens run as matrix products on oneDNN's brgemm instead (native/brgemm_attention.cpp):
     bf16 on AMX (~2x the dot products on an AMX Xeon's prompts of 128-512), float32 on any
-    AVX-512 CPU (1.1-1.4x on an AMD EPYC's)."""
+    AVX-512 CPU (level to 1.4x on an AMD EPYC's, the most at long prompts)."""
 
     name = "ragged"
     reads_narrower_cache = True
