@@ -19,8 +19,9 @@ class PagePool:
     time (what bounding the cache's footprint needs, see PagePolicy.trim_prefix_cache). A page nobody
     references goes back on a LIFO free list: on the host a recycled page is already
     faulted in, several times cheaper to map and touch than a fresh one. Pages are created
-    lazily, so a cache costs nothing physical until it maps. With a `budget` shared with other
-    pools, a page is created only if its bytes fit in what they leave.
+    lazily, so a cache costs nothing physical until it maps (unless `preallocate` made them
+    all at start). With a `budget` shared with other pools, a page is created only if its
+    bytes fit in what they leave.
     """
 
     def __init__(
