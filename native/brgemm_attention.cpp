@@ -147,8 +147,8 @@ void pack_request(const CacheRows<T>& keys, const CacheRows<T>& values, const Pr
     const int64_t first = b * kKeys, n = std::min(kKeys, length - first);
     // The values' rows go where brgemm reads them (float32) or into `plain` to be interleaved (bf16).
     T* value_rows = std::is_same_v<T, float> ? &packed.values[b * block] : plain.data();
-    std::fill(plain.begin() + n * dim, plain.end(), T(0.0f));  // the last block's missing keys
-    std::fill(value_rows + n * dim, value_rows + block, T(0.0f));
+    std::fill(plain.begin() + n * dim, plain.end(), T(0.0f));  // the last block's missing keys (and bf16 values)
+    if constexpr (std::is_same_v<T, float>) std::fill(value_rows + n * dim, value_rows + block, 0.0f);
     for (int64_t j = 0; j < n; ++j) keys.read(slot, kv, first + j, first_new, start, &plain[j * dim]);
     pack_keys(plain.data(), dim, &packed.keys[b * block]);
     for (int64_t j = 0; j < n; ++j) values.read(slot, kv, first + j, first_new, start, value_rows + j * dim);
