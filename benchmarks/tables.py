@@ -326,6 +326,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "avx512_intel/serving_compare_default": serving_compare,
     "avx512_intel/serving_compare_default.ratios": serving_ratios,
     "avx512_intel/serving_compare_q8": serving_compare,
+    "zen5/quality": quality,
     "zen5/offline_compare": offline_compare,
     "zen5/offline_compare.ratios": offline_ratios,
     "zen5/serving_compare_default": serving_compare,
