@@ -155,7 +155,9 @@ class BudgetMachine(RuleBasedStateMachine):
 def test_several_caches_on_one_budget_keep_the_invariants() -> None:
     outcomes.clear()
     run_state_machine_as_test(BudgetMachine, settings=settings(max_examples=fuzz_examples(200), stateful_step_count=80))
-    assert min(outcomes.get(kind, 0) for kind in ("stepped", "lent to", "refused")) >= 20, outcomes
+    # Each outcome must occur. How often is not asserted: Hypothesis explored these cases to very
+    # different depths depending on what the process had run before (5 to 103 loans).
+    assert all(outcomes.get(kind, 0) for kind in ("stepped", "lent to", "refused")), outcomes
 
 
 def test_a_busy_model_takes_an_idle_ones_pages() -> None:
