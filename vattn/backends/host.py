@@ -176,7 +176,8 @@ class HostBackend(VMMBackend):
         a temporary mapping: shmem's fallocate allocates pages but leaves them to be zeroed at
         their first fault, which on a VM whose host backs memory at first touch runs at
         0.3-0.5 GB/s, paid inside the steps that first map them (a 2-core EPYC: 0.27 GB/s, 8% of
-        a served level). Zeroed here, a page's later maps only fill page tables (~3.5 GB/s).
+        serving_compare's c=16 level replayed in-process). Zeroed here, a page's later maps only
+        fill page tables (~3.5 GB/s).
         ConfigurationError, with nothing allocated, if the machine has not that much memory available."""
         needed, available = len(pages) * self.page_size, available_memory()
         if needed > available:
